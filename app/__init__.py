@@ -1,0 +1,1 @@
+"""HTTP layer and engine loop of the CONF-KV server."""

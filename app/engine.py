@@ -1,0 +1,219 @@
+"""The synchronous engine: one `step()` schedules, runs the model, samples and emits outputs.
+
+It owns the scheduler, the model runner and the KV store and is driven either directly (tests,
+benchmarks) or by `AsyncEngine`'s loop thread (the server).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from app.detokenizer import IncrementalDetokenizer
+from app.model_runner import ModelRunner
+from app.sampler import sample
+from app.scheduler import Scheduler
+from app.sequence import FinishReason, SamplingParams, Sequence
+from compression.kv_store import KVStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    max_cache_bytes: int
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    delta_text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class StepStats:
+    """What one step did, for metrics and benchmarks."""
+
+    duration_s: float
+    num_seqs: int
+    num_tokens: int
+    num_preempted: int
+    finished: list[Sequence]
+
+
+class LLMEngine:
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: EngineConfig) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.store = KVStore(
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim=head_dim,
+            max_bytes=config.max_cache_bytes,
+            dtype=model.dtype,
+            device=next(model.parameters()).device,
+        )
+        self.runner = ModelRunner(model, self.store)
+        self.scheduler = Scheduler(self.store, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.max_model_len = _max_model_len(cfg)
+        self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._by_request: dict[str, Sequence] = {}
+        self.last_step: StepStats | None = None
+
+    # ----- requests ----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        if not prompt_token_ids:
+            raise ValueError("the prompt has no tokens")
+        if request_id in self._by_request:
+            raise ValueError(f"request id {request_id!r} is already running")
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, params.stop)
+        self._by_request[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request; its memory is returned at once."""
+        seq = self._by_request.get(request_id)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        return self._output(seq, [], final=True)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ----- the step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        sched = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        finished: list[Sequence] = []
+        for seq in sched.rejected:
+            need = seq.num_uncomputed * self.store.token_bytes
+            self._finish(seq, FinishReason.ERROR, outputs, finished,
+                         error=f"the request needs {need} bytes of KV cache but max_cache_size is "
+                               f"{self.store.max_bytes}; shorten the prompt or raise max_cache_size")
+        if sched.chunks:
+            try:
+                logits = self.runner.run(sched.chunks)
+            except Exception as exc:  # a failed forward fails only the sequences in it
+                log.exception("forward pass failed for %d sequences", len(sched.sequences))
+                for seq in sched.sequences:
+                    self._finish(seq, FinishReason.ERROR, outputs, finished, error=f"model forward failed: {exc}")
+                sched.sequences = []
+                logits = None
+            sampled = [seq for seq, chunk in zip(sched.sequences, sched.chunks) if chunk.needs_logits]
+            for seq, chunk in zip(sched.sequences, sched.chunks):
+                seq.num_computed += len(chunk.token_ids)
+            if sampled:
+                results = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
+                for seq, result in zip(sampled, results):
+                    self._append_token(seq, result, outputs, finished)
+        self.last_step = StepStats(time.perf_counter() - started, len(sched.chunks), sched.num_tokens,
+                                   sched.num_preempted, finished)
+        return outputs
+
+    # ----- internals ---------------------------------------------------------------------
+    def _append_token(self, seq: Sequence, result, outputs: list[RequestOutput], finished: list[Sequence]) -> None:
+        if result.token_id is None:
+            self._finish(seq, FinishReason.ERROR, outputs, finished, error=result.error)
+            return
+        token = result.token_id
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        seq.token_ids.append(token)
+        seq.confidences.append((result.top_prob, result.entropy))
+        reason = None
+        if token in self.eos_token_ids and not seq.params.ignore_eos:
+            reason = FinishReason.STOP
+        else:
+            try:
+                if self._detok[seq.seq_id].add(token):
+                    reason = FinishReason.STOP
+            except Exception as exc:
+                self._finish(seq, FinishReason.ERROR, outputs, finished, error=f"detokenization failed: {exc}")
+                return
+            if reason is None and (len(seq.output_token_ids) >= seq.params.max_tokens
+                                   or len(seq.token_ids) >= self.max_model_len):
+                reason = FinishReason.LENGTH
+        if reason is None:
+            outputs.append(self._output(seq, [token], final=False))
+        else:
+            self._finish(seq, reason, outputs, finished, new_tokens=[token])
+
+    def _finish(self, seq: Sequence, reason: FinishReason, outputs: list[RequestOutput], finished: list[Sequence],
+                error: str | None = None, new_tokens: list[int] | None = None) -> None:
+        self.scheduler.finish(seq, reason, error)
+        outputs.append(self._output(seq, new_tokens or [], final=True))
+        finished.append(seq)
+
+    def _output(self, seq: Sequence, new_tokens: list[int], final: bool) -> RequestOutput:
+        detok = self._detok[seq.seq_id]
+        out = RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_tokens,
+            delta_text=detok.delta(final),
+            finished=final,
+            finish_reason=seq.finish_reason.value if final and seq.finish_reason else None,
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=len(seq.output_token_ids),
+            error=seq.error,
+        )
+        if final:
+            del self._detok[seq.seq_id]
+            del self._by_request[seq.request_id]
+        return out
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def _max_model_len(cfg) -> int:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if getattr(cfg, name, None):
+            return int(getattr(cfg, name))
+    return 2048
+
+
+@torch.inference_mode()
+def run_to_completion(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
+    """Step until every request has finished; return each request's outputs in order."""
+    results: dict[str, list[RequestOutput]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            results.setdefault(out.request_id, []).append(out)
+    return results

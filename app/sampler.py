@@ -1,0 +1,58 @@
+"""Turns logits into tokens: greedy, temperature, top-k, top-p, per-request seeds.
+
+Besides the token it reports how sure the model was (probability of the top token and entropy
+of the distribution the token was drawn from), which the compression engine uses as a signal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from app.sequence import SamplingParams
+
+
+@dataclass
+class SampleOutput:
+    token_id: int | None  # None when sampling failed for this row
+    top_prob: float
+    entropy: float
+    error: str | None = None
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[SampleOutput]:
+    """Sample one token per row of `logits` [n, vocab] (fp32)."""
+    temperatures = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
+    finite = torch.isfinite(logits).all(dim=-1)
+    logprobs = torch.log_softmax(logits / temperatures.unsqueeze(1), dim=-1)
+    probs = logprobs.exp()
+    top_prob, greedy_ids = probs.max(dim=-1)
+    entropy = -(probs * logprobs.nan_to_num(neginf=0.0)).sum(dim=-1)
+    # One transfer for the whole batch; the per-row work below stays on the host.
+    finite, top_prob, greedy_ids, entropy = (t.cpu() for t in (finite, top_prob, greedy_ids, entropy))
+
+    outputs = []
+    for row, (p, gen) in enumerate(zip(params, generators)):
+        if not finite[row]:
+            outputs.append(SampleOutput(None, 0.0, 0.0, "the model produced non-finite logits"))
+            continue
+        token = int(greedy_ids[row]) if p.greedy else _draw(logprobs[row], p, gen)
+        outputs.append(SampleOutput(token, float(top_prob[row]), float(entropy[row])))
+    return outputs
+
+
+def _draw(logprobs: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
+    """Draw from the temperature-scaled distribution after top-k and top-p cuts."""
+    logprobs = logprobs.cpu()
+    if p.top_k > 0 and p.top_k < logprobs.numel():
+        kth = torch.topk(logprobs, p.top_k).values[-1]
+        logprobs = logprobs.masked_fill(logprobs < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_lp, order = torch.sort(logprobs, descending=True)
+        cumulative = sorted_lp.softmax(-1).cumsum(-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = cumulative - sorted_lp.softmax(-1) >= p.top_p
+        logprobs = logprobs.scatter(0, order[drop], float("-inf"))
+    probs = logprobs.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,118 @@
+"""Continuous batching under a KV byte budget.
+
+Each step the scheduler picks what runs: one token for every decoding sequence, then prompt
+chunks (chunked prefill) of running and newly admitted sequences, within a per-step token
+budget. A sequence is admitted only when its remaining prompt fits in the free KV bytes. When a
+running sequence cannot grow, the newest running sequence is preempted: its cache is freed and
+it is requeued at the front to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from app.model_runner import ScheduledChunk
+from app.sequence import FinishReason, Sequence, SequenceStatus
+from compression.kv_store import KVBudgetExceeded, KVStore
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    sequences: list[Sequence] = field(default_factory=list)  # same order as chunks
+    rejected: list[Sequence] = field(default_factory=list)  # can never fit the budget
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, store: KVStore, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.store = store
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        # Running sequences first, oldest first: decodes take one token, prefills a chunk.
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted while making room for an older one
+                continue
+            n = min(seq.num_uncomputed, budget)
+            if self._reserve_or_preempt(seq, n, out):
+                self._emit(seq, n, out)
+                budget -= n
+        # Then admit waiting sequences while their prompts fit.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:
+            seq = self.waiting[0]
+            need = seq.num_uncomputed * self.store.token_bytes
+            if need > self.store.max_bytes:
+                self.waiting.popleft()
+                out.rejected.append(seq)
+                continue
+            if need > self.store.free_bytes:
+                break
+            n = min(seq.num_uncomputed, budget)
+            self.store.reserve(seq.seq_id, n)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._emit(seq, n, out)
+            budget -= n
+        return out
+
+    def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        """Take a sequence out of the scheduler for good and give its memory back."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.error = error
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.store.free(seq.seq_id)
+
+    # ----- internals ---------------------------------------------------------------------
+    def _emit(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        start = seq.num_computed
+        tokens = seq.token_ids[start : start + n]
+        out.chunks.append(ScheduledChunk(seq.seq_id, tokens, start, start + n == len(seq.token_ids)))
+        out.sequences.append(seq)
+
+    def _reserve_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Reserve room for n tokens of `seq`, preempting newer sequences as needed."""
+        while True:
+            try:
+                self.store.reserve(seq.seq_id, n)
+                return True
+            except KVBudgetExceeded:
+                victim = self.running[-1]  # newest; never one already scheduled this step
+                if victim is seq and len(self.running) == 1:
+                    out.rejected.append(seq)  # alone and still too big: it can never finish
+                    return False
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is seq:
+                    return False
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.store.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)

@@ -1,0 +1,84 @@
+"""A request as the engine sees it: its tokens, sampling parameters and progress."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # cancelled, e.g. the client went away
+    ERROR = "error"  # failed inside the engine
+
+
+_ids = itertools.count()
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    token_ids: list[int] = field(init=False)
+    num_computed: int = 0  # tokens whose KV is in the store (or were, before eviction)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+    confidences: list[tuple[float, float]] = field(default_factory=list)  # (top prob, entropy)
+    generator: torch.Generator = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        # A private generator per request: the same seed gives the same text whatever runs beside it.
+        self.generator = torch.Generator()
+        if self.params.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(self.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
