@@ -1,0 +1,121 @@
+"""FastAPI application: thin routes over `GenerateService`, wired in the lifespan."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import torch
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sse_starlette.sse import EventSourceResponse
+
+from app.async_engine import AsyncEngine, EngineDeadError
+from app.engine import EngineConfig, LLMEngine
+from app.metrics import Metrics
+from app.schemas import ErrorResponse, GenerateRequest, GenerateResponse
+from app.serving import APIError, GenerateService
+from app.settings import Settings
+from models.loader import load_model
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(settings: Settings) -> LLMEngine:
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    device = settings.resolved_device()
+    dtype = None if settings.dtype == "auto" else getattr(torch, settings.dtype)
+    model, tokenizer = load_model(settings.model_path, device, dtype)
+    config = EngineConfig(
+        max_cache_bytes=settings.max_cache_bytes(),
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+    )
+    log.info("KV cache budget %.1f MiB", config.max_cache_bytes / 2**20)
+    return LLMEngine(model, tokenizer, config)
+
+
+def create_app(settings: Settings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        metrics = Metrics()
+        engine = build_engine(settings)
+        metrics.observe_engine(engine)
+        runner = AsyncEngine(engine, on_step=metrics.observe_step)
+        runner.start()
+        app.state.metrics = metrics
+        app.state.engine = runner
+        app.state.service = GenerateService(runner, engine.tokenizer, settings, metrics)
+        log.info("ready on %s:%d", settings.host, settings.port)
+        try:
+            yield
+        finally:
+            runner.stop()
+
+    app = FastAPI(title="CONF-KV", version="0.1.0", lifespan=lifespan,
+                  responses={413: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error(exc.status, exc.type, exc.message, exc.headers)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return _error(503, "engine_unavailable", f"{exc}; restart the server", {"Retry-After": "5"})
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        fields = ", ".join(".".join(str(p) for p in e["loc"] if p != "body") or "body" for e in errors)
+        message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
+                            for e in errors)
+        if hasattr(request.app.state, "metrics"):
+            request.app.state.metrics.requests.labels("422").inc()
+        body = {"error": {"type": "invalid_request", "message": message, "fields": fields},
+                "detail": _jsonable(errors)}
+        return JSONResponse(status_code=422, content=body)
+
+    @app.post("/generate", response_model=GenerateResponse, response_model_exclude_none=True)
+    async def generate(body: GenerateRequest, request: Request, service: GenerateService = Depends(_service)):
+        prepared = service.prepare(body)
+        if body.stream:
+            return EventSourceResponse(service.stream(prepared), ping=15)
+        return await service.generate(prepared, request)
+
+    @app.get("/health")
+    async def health(request: Request) -> dict:
+        engine: AsyncEngine | None = getattr(request.app.state, "engine", None)
+        if engine is not None and engine.error is not None:
+            return JSONResponse(status_code=503, content={"status": "engine_failed", "error": repr(engine.error)})
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(request: Request):
+        engine: AsyncEngine | None = getattr(request.app.state, "engine", None)
+        if engine is None or not engine.is_running:
+            return JSONResponse(status_code=503, content={"status": "not_ready"})
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        registry = request.app.state.metrics.registry
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _service(request: Request) -> GenerateService:
+    return request.app.state.service
+
+
+def _error(status: int, type_: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"type": type_, "message": message}}, headers=headers)
+
+
+def _jsonable(errors: list[dict]) -> list[dict]:
+    # pydantic puts the raised exception object into ctx; keep only its text.
+    return [{**e, "ctx": {k: str(v) for k, v in e.get("ctx", {}).items()}} if "ctx" in e else e for e in errors]

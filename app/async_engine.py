@@ -1,0 +1,152 @@
+"""Runs `LLMEngine` on its own thread and gives the asyncio side per-request output streams.
+
+The HTTP side never touches tensors: it sends commands (add, abort) through a thread-safe inbox
+and reads `RequestOutput`s from an asyncio queue per request. A request whose consumer goes away
+(client disconnect, cancelled task) is aborted and its KV memory is returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import torch
+
+from app.engine import LLMEngine, RequestOutput, StepStats
+from app.sequence import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; the server needs a restart."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    stream: asyncio.Queue
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[StepStats, LLMEngine], None] | None = None) -> None:
+        self.engine = engine
+        self.on_step = on_step
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.error: BaseException | None = None
+
+    # ----- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._inbox.put(None)  # wake the loop
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def num_pending(self) -> int:
+        """Requests accepted and not finished (waiting or running)."""
+        return len(self._streams)
+
+    # ----- requests ----------------------------------------------------------------------
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        if not self.is_running:
+            raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
+        request_id = request_id or uuid.uuid4().hex
+        stream: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self._streams[request_id] = (loop, stream)
+        self._inbox.put(_Add(request_id, prompt_token_ids, params, loop, stream))
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._inbox.put(_Abort(request_id))
+
+    # ----- the loop thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while not self._stopping.is_set():
+                    self._drain_inbox(block=not self.engine.has_unfinished())
+                    if self.engine.has_unfinished():
+                        outputs = self.engine.step()
+                        self._dispatch(outputs)
+                        if self.on_step and self.engine.last_step:
+                            self.on_step(self.engine.last_step, self.engine)
+        except BaseException as exc:  # the loop must never die silently
+            log.exception("engine loop crashed")
+            self.error = exc
+            for loop, stream in list(self._streams.values()):
+                _send(loop, stream, EngineDeadError(f"engine loop crashed: {exc!r}"))
+            self._streams.clear()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(item, _Add):
+                self._add(item)
+            elif isinstance(item, _Abort):
+                self._streams.pop(item.request_id, None)
+                self.engine.abort(item.request_id)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, cmd: _Add) -> None:
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+        except Exception as exc:  # a bad request fails alone
+            self._streams.pop(cmd.request_id, None)
+            _send(cmd.loop, cmd.stream, exc)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            target = self._streams.get(out.request_id)
+            if target is None:
+                continue  # consumer already gone
+            if out.finished:
+                del self._streams[out.request_id]
+            _send(*target, out)
+
+
+def _send(loop: asyncio.AbstractEventLoop, stream: asyncio.Queue, item: object) -> None:
+    try:
+        loop.call_soon_threadsafe(stream.put_nowait, item)
+    except RuntimeError:  # the consumer's event loop is closed (shutdown): nobody to tell
+        pass

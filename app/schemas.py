@@ -1,0 +1,98 @@
+"""The HTTP contract: request and response models of POST /generate."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+POLICIES = ("dynamic", "none", "streaming_llm", "h2o", "snapkv", "tova", "knorm", "random")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class Thresholds(_Strict):
+    """Retention confidence thresholds: >= high stays FULL, >= medium KEY_ONLY, below is dropped."""
+
+    high: float = Field(0.9, ge=0.0, le=1.0)
+    medium: float = Field(0.7, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Thresholds:
+        if self.medium > self.high:
+            raise ValueError("thresholds.medium must not exceed thresholds.high")
+        return self
+
+
+class CompressionOptions(_Strict):
+    """Per-request compression settings; anything left out comes from the server's config."""
+
+    enabled: bool | None = None
+    policy: Literal[POLICIES] | None = None  # type: ignore[valid-type]
+    compression_rate: float | None = Field(None, ge=0.0, lt=1.0, description="share of KV bytes to remove")
+    thresholds: Thresholds | None = None
+    prediction_window: int | None = Field(None, ge=1, le=8192)
+    compression_interval: int | None = Field(None, ge=1, le=4096)
+
+
+class GenerateRequest(_Strict):
+    prompt: str | None = Field(None, min_length=1, description="plain text prompt (or give messages)")
+    messages: list[ChatMessage] | None = Field(None, min_length=1, description="chat, formatted by the chat template")
+    max_tokens: int | None = Field(None, ge=1, description="most tokens to generate; default from the server")
+    temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 means no top-k cut")
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    stream: bool = False
+    compression: CompressionOptions | None = None
+    compression_stats: bool = False
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        return self
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0
+
+
+class GenerateResponse(BaseModel):
+    id: str
+    text: str
+    finish_reason: str | None
+    usage: Usage
+    compression_metrics: dict | None = None
+
+
+class StreamChunk(BaseModel):
+    """One server-sent event: a piece of text, and on the last one the finish reason and usage."""
+
+    id: str
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    compression_metrics: dict | None = None
+    error: str | None = None
+
+
+class ErrorBody(BaseModel):
+    type: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,156 @@
+"""What POST /generate does between the route and the engine: tokenize, check, run, report."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from transformers import PreTrainedTokenizerBase
+
+from app.async_engine import AsyncEngine
+from app.engine import RequestOutput
+from app.metrics import Metrics
+from app.schemas import GenerateRequest, GenerateResponse, StreamChunk, Usage
+from app.sequence import SamplingParams
+from app.settings import Settings
+
+
+class APIError(Exception):
+    """An error the client should see, with its HTTP status and a message saying what to do."""
+
+    def __init__(self, status: int, type_: str, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.type, self.message, self.headers = status, type_, message, headers
+
+
+@dataclass
+class PreparedRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+
+
+class GenerateService:
+    def __init__(self, engine: AsyncEngine, tokenizer: PreTrainedTokenizerBase, settings: Settings,
+                 metrics: Metrics) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.metrics = metrics
+        self.max_model_len = engine.engine.max_model_len
+
+    def prepare(self, req: GenerateRequest) -> PreparedRequest:
+        arrival = time.monotonic()
+        if self.engine.num_pending >= self.settings.max_queue_size + self.settings.max_num_seqs:
+            self._refuse(503)
+            raise APIError(503, "overloaded", "the request queue is full; retry later", {"Retry-After": "1"})
+        ids = self._tokenize(req)
+        max_tokens = req.max_tokens or min(self.settings.default_max_tokens, max(1, self.max_model_len - len(ids)))
+        if len(ids) + max_tokens > self.max_model_len:
+            self._refuse(413)
+            raise APIError(
+                413, "context_length_exceeded",
+                f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the model's context of "
+                f"{self.max_model_len} tokens; shorten the prompt or lower max_tokens",
+            )
+        store = self.engine.engine.store
+        if (len(ids) + max_tokens) * store.token_bytes > store.max_bytes:
+            self._refuse(413)
+            raise APIError(
+                413, "kv_cache_exceeded",
+                f"prompt plus max_tokens ({len(ids) + max_tokens} tokens) needs more KV cache than max_cache_size "
+                f"({store.max_bytes} bytes) allows; lower max_tokens or raise --max-cache-size",
+            )
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            seed=req.seed, stop=tuple(req.stop),
+        )
+        return PreparedRequest(f"gen-{uuid.uuid4().hex}", ids, params, arrival)
+
+    async def generate(self, prepared: PreparedRequest, http_request: Request) -> GenerateResponse:
+        """Run to the end; abort if the client goes away first."""
+        collect = asyncio.ensure_future(self._collect(prepared))
+        watch = asyncio.ensure_future(_wait_disconnect(http_request))
+        try:
+            done, _ = await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if collect not in done:
+            collect.cancel()  # cancelling the stream aborts the request in the engine
+            raise APIError(499, "client_closed_request", "the client went away")
+        return collect.result()
+
+    async def stream(self, prepared: PreparedRequest) -> AsyncIterator[str]:
+        """Server-sent events, one JSON chunk per token piece; the last has finish reason and usage."""
+        async for out in self._outputs(prepared):
+            if out.finished:
+                chunk = StreamChunk(id=prepared.request_id, text=out.delta_text, finish_reason=out.finish_reason,
+                                    usage=_usage(out), error=out.error)
+            elif out.delta_text:
+                chunk = StreamChunk(id=prepared.request_id, text=out.delta_text)
+            else:
+                continue  # text held back (possible stop string or partial character)
+            yield chunk.model_dump_json(exclude_none=True)
+
+    # ----- internals ---------------------------------------------------------------------
+    async def _collect(self, prepared: PreparedRequest) -> GenerateResponse:
+        parts: list[str] = []
+        async for out in self._outputs(prepared):
+            parts.append(out.delta_text)
+        if out.error is not None:
+            raise APIError(500, "engine_error", f"the request failed inside the engine: {out.error}")
+        return GenerateResponse(id=prepared.request_id, text="".join(parts), finish_reason=out.finish_reason,
+                                usage=_usage(out))
+
+    async def _outputs(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
+        first: float | None = None
+        last: RequestOutput | None = None
+        try:
+            async for out in self.engine.generate(prepared.prompt_token_ids, prepared.params, prepared.request_id):
+                if first is None and out.completion_tokens:
+                    first = time.monotonic()
+                last = out
+                yield out
+        except ValueError as exc:
+            raise APIError(400, "invalid_request", str(exc)) from exc
+        finally:
+            status = (last.finish_reason if last and last.finished else "abort") or "abort"
+            self.metrics.observe_request(
+                status,
+                len(prepared.prompt_token_ids),
+                last.completion_tokens if last else 0,
+                time.monotonic() - prepared.arrival,
+                None if first is None else first - prepared.arrival,
+            )
+
+    def _tokenize(self, req: GenerateRequest) -> list[int]:
+        if req.messages is not None:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise APIError(400, "invalid_request", "this model has no chat template; send a prompt instead")
+            text = self.tokenizer.apply_chat_template(
+                [m.model_dump() for m in req.messages], tokenize=False, add_generation_prompt=True
+            )
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        else:
+            ids = self.tokenizer(req.prompt).input_ids
+        if not ids:
+            raise APIError(422, "invalid_request", "the prompt has no tokens")
+        return ids
+
+    def _refuse(self, status: int) -> None:
+        self.metrics.requests.labels(str(status)).inc()
+
+
+def _usage(out: RequestOutput) -> Usage:
+    return Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                 cached_prompt_tokens=out.cached_prompt_tokens)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)

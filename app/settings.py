@@ -1,0 +1,119 @@
+"""Server settings: defaults < config file (`--config`, YAML) < CONFKV_* environment < flags."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import ClassVar, Literal
+
+import psutil
+import torch
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="CONFKV_",
+        cli_kebab_case=True,
+        cli_prog_name="serve.py",
+        cli_implicit_flags=False,
+        extra="forbid",
+    )
+    # Set by `load_settings` before parsing, so the YAML file takes its place among the sources.
+    _config_file: ClassVar[Path | None] = None
+
+    config: Path | None = Field(None, description="YAML file with any of these settings (flags and env win)")
+    model_path: Path | None = Field(None, description="local Hugging Face model folder; default: the embedded model")
+    host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 for all interfaces)")
+    port: int = Field(8080, ge=1, le=65535)
+    compression_enabled: bool = Field(True, description="compress the KV cache while generating")
+    max_cache_size: str = Field(
+        "80%", description="KV cache budget: MB (4096), with a unit (2GiB) or a share of device memory (80%)"
+    )
+    max_num_seqs: int = Field(32, ge=1, description="most sequences running at once")
+    max_num_batched_tokens: int = Field(512, ge=1, description="most tokens in one forward pass (chunked prefill)")
+    max_queue_size: int = Field(256, ge=0, description="most requests waiting; beyond it 503 with Retry-After")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="model dtype; auto: fp32 on CPU, the model's own dtype on CUDA"
+    )
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    torch_threads: int | None = Field(None, ge=1, description="CPU threads for torch; default: all cores")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("max_cache_size")
+    @classmethod
+    def _check_cache_size(cls, value: str) -> str:
+        parse_size(value, total_bytes=1)  # raises on a malformed size
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
+        if cls._config_file is not None:
+            sources += (YamlConfigSettingsSource(settings_cls, yaml_file=cls._config_file),)
+        return sources
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        if self.dtype != "auto":
+            return getattr(torch, self.dtype)
+        return model_dtype if self.resolved_device().type == "cuda" else torch.float32
+
+    def max_cache_bytes(self) -> int:
+        device = self.resolved_device()
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+        else:
+            total = psutil.virtual_memory().total
+        return parse_size(self.max_cache_size, total)
+
+
+_UNITS = {"": 2**20, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_size(value: str | int | float, total_bytes: int) -> int:
+    """'4096' (MB, as in the seeds), '2GiB', '512mb' or '80%' of `total_bytes` -> bytes."""
+    text = str(value).strip().lower()
+    if text.endswith("%"):
+        share = float(text[:-1])
+        if not 0 < share <= 100:
+            raise ValueError(f"a percentage must be in (0, 100], got {value!r}")
+        return int(total_bytes * share / 100)
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", text)
+    if not match or match.group(2) not in _UNITS:
+        raise ValueError(f"max_cache_size {value!r} is not a size: use MB (4096), 2GiB, 512MB or 80%")
+    size = int(float(match.group(1)) * _UNITS[match.group(2)])
+    if size <= 0:
+        raise ValueError(f"max_cache_size must be positive, got {value!r}")
+    return size
+
+
+def load_settings(argv: list[str] | None = None, **overrides) -> Settings:
+    """Settings from flags (`argv`), environment and an optional YAML file named by --config."""
+    config = overrides.get("config")
+    args = list(argv or [])
+    for i, arg in enumerate(args):
+        if arg == "--config" and i + 1 < len(args):
+            config = args[i + 1]
+        elif arg.startswith("--config="):
+            config = arg.split("=", 1)[1]
+    if config is not None and not Path(config).is_file():
+        raise FileNotFoundError(f"config file {config} does not exist")
+    Settings._config_file = Path(config) if config is not None else None
+    try:
+        return Settings(_cli_parse_args=args, **overrides) if argv is not None else Settings(**overrides)
+    finally:
+        Settings._config_file = None

@@ -1,0 +1,40 @@
+"""Load a causal language model and its tokenizer from a local Hugging Face folder."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from models.default_model import default_model_path
+
+log = logging.getLogger(__name__)
+
+# Families whose attention modules go through transformers' AttentionInterface with a layer_idx,
+# which is what the packed KV attention relies on.
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gpt2"}
+
+
+def load_model(
+    path: Path | None, device: torch.device, dtype: torch.dtype | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load model and tokenizer from `path` (default: the embedded model), on `device`.
+
+    `dtype` None means: fp32 on CPU, the checkpoint's own dtype elsewhere.
+    """
+    path = Path(path) if path is not None else default_model_path()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model type {config.model_type!r} is not supported; use one of {sorted(SUPPORTED_MODEL_TYPES)}"
+        )
+    if dtype is None:
+        dtype = torch.float32 if device.type == "cpu" else (getattr(config, "dtype", None) or torch.float32)
+    log.info("loading %s (%s) on %s as %s", path, config.model_type, device, dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
