@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from compression.kv_store import KVStore
 
@@ -51,9 +53,13 @@ def packed_kv_attention(
     packed_batch: PackedBatch | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query [1, heads, T, D], key/value [1, kv_heads, T, D] -> output [1, T, heads, D]."""
+    """query [1, heads, T, D], key/value [1, kv_heads, T, D] -> output [1, T, heads, D].
+
+    Without a packed batch (the model called directly, e.g. by `generate`) it is plain SDPA.
+    """
     if packed_batch is None:
-        raise RuntimeError(f"{ATTENTION_NAME} attention needs a packed_batch argument")
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
     store, layer = packed_batch.store, module.layer_idx
     outputs = []
     for seg in packed_batch.segments:
@@ -83,6 +89,8 @@ def packed_kv_attention(
 
 
 AttentionInterface.register(ATTENTION_NAME, packed_kv_attention)
+# The SDPA mask serves direct calls; packed calls ignore it and mask per segment.
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
 
 
 @dataclass

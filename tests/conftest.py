@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from models.default_model import default_model_path
+from models.loader import load_model
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def default_path():
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_path):
+    return AutoTokenizer.from_pretrained(default_path)
+
+
+@pytest.fixture(scope="session")
+def default_model(default_path):
+    model, _ = load_model(default_path, torch.device("cpu"))
+    return model
