@@ -115,7 +115,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         finished: list[Sequence] = []
         for seq in sched.rejected:
-            need = seq.num_uncomputed * self.store.token_bytes
+            need = self.store.bytes_for(seq.num_uncomputed)
             self._finish(seq, FinishReason.ERROR, outputs, finished,
                          error=f"the request needs {need} bytes of KV cache but max_cache_size is "
                                f"{self.store.max_bytes}; shorten the prompt or raise max_cache_size")

@@ -59,7 +59,7 @@ class Scheduler:
         # Then admit waiting sequences while their prompts fit.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:
             seq = self.waiting[0]
-            need = seq.num_uncomputed * self.store.token_bytes
+            need = self.store.bytes_for(seq.num_uncomputed)
             if need > self.store.max_bytes:
                 self.waiting.popleft()
                 out.rejected.append(seq)

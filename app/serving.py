@@ -59,7 +59,7 @@ class GenerateService:
                 f"{self.max_model_len} tokens; shorten the prompt or lower max_tokens",
             )
         store = self.engine.engine.store
-        if (len(ids) + max_tokens) * store.token_bytes > store.max_bytes:
+        if store.bytes_for(len(ids) + max_tokens) > store.max_bytes:
             self._refuse(413)
             raise APIError(
                 413, "kv_cache_exceeded",

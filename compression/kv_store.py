@@ -81,6 +81,10 @@ class KVStore:
         """Bytes of one token's keys and values over all layers."""
         return self.num_layers * self.token_bytes_per_layer
 
+    def bytes_for(self, num_tokens: int) -> int:
+        """Bytes a new sequence of `num_tokens` tokens takes, growth granularity included."""
+        return self.num_layers * _round_up(num_tokens, GROWTH_CHUNK) * self.token_bytes_per_layer
+
     @property
     def free_bytes(self) -> int:
         return self.max_bytes - self.used_bytes

@@ -1,0 +1,133 @@
+"""Engine behaviour on a tiny model: budgets, preemption, aborts, failures, seeds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from app.engine import run_to_completion
+from app.sequence import SamplingParams
+from tests.helpers import greedy, make_engine, text_of, tiny_model, tokens_of
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+
+
+def prompts(tokenizer, lengths, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, len(tokenizer)) for _ in range(n)] for n in lengths]
+
+
+def run_all(engine, batch, params):
+    for i, p in enumerate(batch):
+        engine.add_request(str(i), p, params)
+    return run_to_completion(engine)
+
+
+def test_preemption_under_a_small_budget_keeps_greedy_output(model, tokenizer):
+    batch = prompts(tokenizer, [30, 50, 20, 60, 40, 35])
+    free = make_engine(model, tokenizer)
+    want = run_all(free, batch, greedy(40, ignore_eos=True))
+    # Room for about three of the six sequences at their full length.
+    tight = make_engine(model, tokenizer, max_cache_bytes=300 * free.store.token_bytes)
+    steps_preempted = 0
+    for i, p in enumerate(batch):
+        tight.add_request(str(i), p, greedy(40, ignore_eos=True))
+    got: dict[str, list] = {}
+    peak = 0
+    while tight.has_unfinished():
+        for out in tight.step():
+            got.setdefault(out.request_id, []).append(out)
+        steps_preempted += tight.last_step.num_preempted
+        peak = max(peak, tight.store.used_bytes)
+        assert tight.store.used_bytes <= tight.store.max_bytes
+    assert steps_preempted > 0, "the budget was meant to force preemption"
+    assert {k: tokens_of(v) for k, v in got.items()} == {k: tokens_of(v) for k, v in want.items()}
+    assert tight.store.used_bytes == 0
+
+
+def test_admission_waits_for_memory_and_respects_max_num_seqs(model, tokenizer):
+    engine = make_engine(model, tokenizer, max_num_seqs=2)
+    for i, p in enumerate(prompts(tokenizer, [10, 10, 10, 10])):
+        engine.add_request(str(i), p, greedy(5, ignore_eos=True))
+    engine.step()
+    assert engine.num_running == 2 and engine.num_waiting == 2
+    run_to_completion(engine)
+    assert engine.store.used_bytes == 0
+
+
+def test_request_too_big_for_the_budget_fails_alone(model, tokenizer):
+    engine = make_engine(model, tokenizer, max_cache_bytes=64 * make_engine(model, tokenizer).store.token_bytes)
+    small, huge = prompts(tokenizer, [8, 200])
+    engine.add_request("small", small, greedy(5, ignore_eos=True))
+    engine.add_request("huge", huge, greedy(5, ignore_eos=True))
+    results = run_to_completion(engine)
+    assert results["huge"][-1].finish_reason == "error" and "max_cache_size" in results["huge"][-1].error
+    assert results["small"][-1].finish_reason == "length" and len(tokens_of(results["small"])) == 5
+    assert engine.store.used_bytes == 0
+
+
+def test_abort_returns_memory_at_once(model, tokenizer):
+    engine = make_engine(model, tokenizer)
+    a, b = prompts(tokenizer, [20, 20])
+    engine.add_request("a", a, greedy(50, ignore_eos=True))
+    engine.add_request("b", b, greedy(50, ignore_eos=True))
+    first_step = [o for o in engine.step() if o.request_id == "b"]
+    held = engine.store.used_bytes
+    out = engine.abort("a")
+    assert out.finished and out.finish_reason == "abort"
+    assert 0 < engine.store.used_bytes < held
+    results = run_to_completion(engine)
+    assert len(tokens_of(first_step + results["b"])) == 50
+    assert engine.store.used_bytes == 0
+
+
+def test_failed_forward_fails_its_batch_and_the_engine_goes_on(model, tokenizer):
+    engine = make_engine(model, tokenizer)
+    run = engine.runner.run
+    calls = {"n": 0}
+
+    def flaky(chunks):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault")
+        return run(chunks)
+
+    engine.runner.run = flaky
+    first, later = prompts(tokenizer, [10, 10])
+    engine.add_request("first", first, greedy(5))
+    results = run_to_completion(engine)
+    assert results["first"][-1].finish_reason == "error" and "injected fault" in results["first"][-1].error
+    engine.add_request("later", later, greedy(5, ignore_eos=True))
+    assert len(tokens_of(run_to_completion(engine)["later"])) == 5
+    assert engine.store.used_bytes == 0
+
+
+def test_seeded_sampling_is_reproducible_whatever_runs_beside(model, tokenizer):
+    p = prompts(tokenizer, [12])[0]
+    params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = make_engine(model, tokenizer)
+    alone.add_request("x", p, params)
+    want = tokens_of(run_to_completion(alone)["x"])
+    crowded = make_engine(model, tokenizer)
+    for i, other in enumerate(prompts(tokenizer, [5, 30, 9], seed=1)):
+        crowded.add_request(f"o{i}", other, SamplingParams(max_tokens=25, temperature=1.0, ignore_eos=True))
+    crowded.add_request("x", p, params)
+    assert tokens_of(run_to_completion(crowded)["x"]) == want
+
+
+def test_max_tokens_and_eos_end_a_request(model, tokenizer):
+    engine = make_engine(model, tokenizer)
+    p = prompts(tokenizer, [6])[0]
+    engine.add_request("n", p, greedy(7, ignore_eos=True))
+    out = run_to_completion(engine)["n"]
+    assert out[-1].finish_reason == "length" and out[-1].completion_tokens == 7
+    first = tokens_of(out)[0]
+    engine.eos_token_ids = {first}  # the first greedy token now counts as EOS
+    engine.add_request("e", p, greedy(7))
+    out = run_to_completion(engine)["e"]
+    assert out[-1].finish_reason == "stop" and out[-1].completion_tokens == 1
+    assert isinstance(text_of(out), str)

@@ -1,0 +1,91 @@
+"""Byte accounting of the KV store: exact, all-or-nothing, never over budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compression.kv_store import GROWTH_CHUNK, KVBudgetExceeded, KVStore
+
+
+def make_store(max_bytes: int = 10**7) -> KVStore:
+    return KVStore(num_layers=3, num_kv_heads=2, head_dim=4, max_bytes=max_bytes)
+
+
+def held_tensor_bytes(store: KVStore) -> int:
+    return sum(layer.keys.nbytes + layer.values.nbytes for seq in store._seqs.values() for layer in seq.layers)
+
+
+def fill(store: KVStore, seq_id: int, n: int, start: int = 0) -> None:
+    store.reserve(seq_id, n)
+    for layer in range(store.num_layers):
+        k = torch.arange(n, dtype=torch.float32).repeat(2, 4, 1).transpose(1, 2) + start
+        store.append(seq_id, layer, k, -k, torch.arange(start, start + n))
+
+
+def test_append_view_roundtrip():
+    store = make_store()
+    fill(store, 1, 5)
+    fill(store, 1, 3, start=5)
+    keys, values = store.view(1, 2)
+    assert keys.shape == (2, 8, 4)
+    assert torch.equal(keys[0, :, 0], torch.arange(8, dtype=torch.float32))
+    assert torch.equal(values, -keys)
+    assert store.positions(1, 0).tolist() == list(range(8))
+
+
+def test_reserve_is_all_or_nothing():
+    store = make_store(max_bytes=3 * GROWTH_CHUNK * store_token_bytes())
+    fill(store, 1, GROWTH_CHUNK)  # one chunk in each of 3 layers: budget used up
+    before = store.used_bytes
+    with pytest.raises(KVBudgetExceeded):
+        store.reserve(2, 1)
+    assert store.used_bytes == before and 2 not in store
+
+
+def store_token_bytes() -> int:
+    return make_store().token_bytes_per_layer
+
+
+def test_compact_keeps_chosen_entries_and_frees_bytes():
+    store = make_store()
+    fill(store, 1, 40)
+    before = store.used_bytes
+    keep = torch.tensor([0, 1, 2, 39])
+    freed = store.compact(1, 1, keep)
+    assert freed > 0 and store.used_bytes == before - freed
+    keys, _ = store.view(1, 1)
+    assert keys[0, :, 0].tolist() == [0.0, 1.0, 2.0, 39.0]
+    assert store.positions(1, 1).tolist() == [0, 1, 2, 39]
+    assert store.seq_length(1, 0) == 40  # other layers untouched
+    assert store.used_bytes == held_tensor_bytes(store)
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["grow", "free", "compact"]), st.integers(0, 4), st.integers(1, 70)),
+    max_size=60,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=ops, budget_tokens=st.integers(16, 600))
+def test_accounting_matches_tensors_and_budget(ops, budget_tokens):
+    store = make_store(max_bytes=budget_tokens * store_token_bytes())
+    for op, seq_id, n in ops:
+        if op == "grow":
+            try:
+                fill(store, seq_id, n, start=store.seq_length(seq_id))
+            except KVBudgetExceeded:
+                pass
+        elif op == "free":
+            store.free(seq_id)
+        elif seq_id in store and store.seq_length(seq_id, 0):
+            length = store.seq_length(seq_id, 0)
+            store.compact(seq_id, 0, torch.arange(0, length, 2))
+        assert store.used_bytes == held_tensor_bytes(store)
+        assert store.used_bytes <= store.max_bytes
+    for seq_id in range(5):
+        store.free(seq_id)
+    assert store.used_bytes == 0

@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import torch
+
+from app.sampler import sample
+from app.sequence import SamplingParams
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_greedy_takes_argmax_and_reports_confidence():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [2.0, 0.0, 0.0]])
+    out = sample(logits, [SamplingParams(temperature=0.0)] * 2, [gen(0), gen(0)])
+    assert [o.token_id for o in out] == [1, 0]
+    probs = logits.softmax(-1)
+    assert abs(out[0].top_prob - float(probs[0].max())) < 1e-6
+    entropy = float(-(probs[1] * probs[1].log()).sum())
+    assert abs(out[1].entropy - entropy) < 1e-5
+
+
+def test_same_seed_same_tokens_regardless_of_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 100)
+    p = SamplingParams(temperature=1.0)
+    alone = [sample(logits[2:3], [p], [gen(7)])[0].token_id for _ in range(3)]
+    batched = sample(logits, [p] * 4, [gen(1), gen(2), gen(7), gen(3)])[2].token_id
+    assert alone == [batched] * 3
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    g = gen(0)
+    top_k = {sample(logits, [SamplingParams(temperature=5.0, top_k=2)], [g])[0].token_id for _ in range(200)}
+    assert top_k == {0, 1}
+    # probabilities at T=1: .64 .24 .09 ...; top_p 0.7 keeps the first two
+    top_p = {sample(logits, [SamplingParams(temperature=1.0, top_p=0.7)], [g])[0].token_id for _ in range(200)}
+    assert top_p == {0, 1}
+
+
+def test_non_finite_logits_fail_only_their_row():
+    logits = torch.tensor([[0.0, float("nan")], [1.0, 0.0]])
+    out = sample(logits, [SamplingParams(temperature=0.0)] * 2, [gen(0), gen(0)])
+    assert out[0].token_id is None and "non-finite" in out[0].error
+    assert out[1].token_id == 0
