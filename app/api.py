@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Annotated
 
 import torch
 from fastapi import Depends, FastAPI, Request
@@ -44,7 +45,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics = Metrics()
         engine = build_engine(settings)
-        metrics.observe_engine(engine)
+        metrics.bind_engine(engine)
         runner = AsyncEngine(engine, on_step=metrics.observe_step)
         runner.start()
         app.state.metrics = metrics
@@ -56,8 +57,12 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             runner.stop()
 
-    app = FastAPI(title="CONF-KV", version="0.1.0", lifespan=lifespan,
-                  responses={413: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
+    app = FastAPI(
+        title="CONF-KV",
+        version="0.1.0",
+        lifespan=lifespan,
+        responses={413: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
+    )
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -71,16 +76,16 @@ def create_app(settings: Settings) -> FastAPI:
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         fields = ", ".join(".".join(str(p) for p in e["loc"] if p != "body") or "body" for e in errors)
-        message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
-                            for e in errors)
+        message = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in errors
+        )
         if hasattr(request.app.state, "metrics"):
             request.app.state.metrics.requests.labels("422").inc()
-        body = {"error": {"type": "invalid_request", "message": message, "fields": fields},
-                "detail": _jsonable(errors)}
+        body = {"error": {"type": "invalid_request", "message": message, "fields": fields}, "detail": _jsonable(errors)}
         return JSONResponse(status_code=422, content=body)
 
     @app.post("/generate", response_model=GenerateResponse, response_model_exclude_none=True)
-    async def generate(body: GenerateRequest, request: Request, service: GenerateService = Depends(_service)):
+    async def generate(body: GenerateRequest, request: Request, service: Annotated[GenerateService, Depends(_service)]):
         prepared = service.prepare(body)
         if body.stream:
             return EventSourceResponse(service.stream(prepared), ping=15)

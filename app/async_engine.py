@@ -8,6 +8,7 @@ and reads `RequestOutput`s from an asyncio queue per request. A request whose co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -146,7 +147,6 @@ class AsyncEngine:
 
 
 def _send(loop: asyncio.AbstractEventLoop, stream: asyncio.Queue, item: object) -> None:
-    try:
+    # RuntimeError: the consumer's event loop is closed (shutdown), nobody is left to tell.
+    with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(stream.put_nowait, item)
-    except RuntimeError:  # the consumer's event loop is closed (shutdown): nobody to tell
-        pass

@@ -116,9 +116,14 @@ class LLMEngine:
         finished: list[Sequence] = []
         for seq in sched.rejected:
             need = self.store.bytes_for(seq.num_uncomputed)
-            self._finish(seq, FinishReason.ERROR, outputs, finished,
-                         error=f"the request needs {need} bytes of KV cache but max_cache_size is "
-                               f"{self.store.max_bytes}; shorten the prompt or raise max_cache_size")
+            self._finish(
+                seq,
+                FinishReason.ERROR,
+                outputs,
+                finished,
+                error=f"the request needs {need} bytes of KV cache but max_cache_size is "
+                f"{self.store.max_bytes}; shorten the prompt or raise max_cache_size",
+            )
         if sched.chunks:
             try:
                 logits = self.runner.run(sched.chunks)
@@ -128,15 +133,16 @@ class LLMEngine:
                     self._finish(seq, FinishReason.ERROR, outputs, finished, error=f"model forward failed: {exc}")
                 sched.sequences = []
                 logits = None
-            sampled = [seq for seq, chunk in zip(sched.sequences, sched.chunks) if chunk.needs_logits]
-            for seq, chunk in zip(sched.sequences, sched.chunks):
+            sampled = [seq for seq, chunk in zip(sched.sequences, sched.chunks, strict=False) if chunk.needs_logits]
+            for seq, chunk in zip(sched.sequences, sched.chunks, strict=False):
                 seq.num_computed += len(chunk.token_ids)
             if sampled:
                 results = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
-                for seq, result in zip(sampled, results):
+                for seq, result in zip(sampled, results, strict=False):
                     self._append_token(seq, result, outputs, finished)
-        self.last_step = StepStats(time.perf_counter() - started, len(sched.chunks), sched.num_tokens,
-                                   sched.num_preempted, finished)
+        self.last_step = StepStats(
+            time.perf_counter() - started, len(sched.chunks), sched.num_tokens, sched.num_preempted, finished
+        )
         return outputs
 
     # ----- internals ---------------------------------------------------------------------
@@ -159,16 +165,24 @@ class LLMEngine:
             except Exception as exc:
                 self._finish(seq, FinishReason.ERROR, outputs, finished, error=f"detokenization failed: {exc}")
                 return
-            if reason is None and (len(seq.output_token_ids) >= seq.params.max_tokens
-                                   or len(seq.token_ids) >= self.max_model_len):
+            if reason is None and (
+                len(seq.output_token_ids) >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len
+            ):
                 reason = FinishReason.LENGTH
         if reason is None:
             outputs.append(self._output(seq, [token], final=False))
         else:
             self._finish(seq, reason, outputs, finished, new_tokens=[token])
 
-    def _finish(self, seq: Sequence, reason: FinishReason, outputs: list[RequestOutput], finished: list[Sequence],
-                error: str | None = None, new_tokens: list[int] | None = None) -> None:
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        outputs: list[RequestOutput],
+        finished: list[Sequence],
+        error: str | None = None,
+        new_tokens: list[int] | None = None,
+    ) -> None:
         self.scheduler.finish(seq, reason, error)
         outputs.append(self._output(seq, new_tokens or [], final=True))
         finished.append(seq)

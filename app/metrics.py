@@ -15,7 +15,9 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "requests", "Finished requests by status (finish reason, or the HTTP code of a refusal)", ["status"],
+            "requests",
+            "Finished requests by status (finish reason, or the HTTP code of a refusal)",
+            ["status"],
             registry=r,
         )
         self.prompt_tokens = Counter("prompt_tokens", "Prompt tokens of finished requests", registry=r)
@@ -24,12 +26,16 @@ class Metrics:
             "request_latency_seconds", "End-to-end request latency", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.time_to_first_token = Histogram(
-            "time_to_first_token_seconds", "Time from arrival to the first generated token",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "time_to_first_token_seconds",
+            "Time from arrival to the first generated token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.time_per_output_token = Histogram(
-            "time_per_output_token_seconds", "Mean time between generated tokens after the first, per request",
-            buckets=_TOKEN_LATENCY_BUCKETS, registry=r,
+            "time_per_output_token_seconds",
+            "Mean time between generated tokens after the first, per request",
+            buckets=_TOKEN_LATENCY_BUCKETS,
+            registry=r,
         )
         self.running = Gauge("requests_running", "Requests running in the engine", registry=r)
         self.waiting = Gauge("requests_waiting", "Requests waiting to be admitted", registry=r)
@@ -45,22 +51,21 @@ class Metrics:
             "engine_step_seconds", "Duration of one engine step", buckets=_TOKEN_LATENCY_BUCKETS, registry=r
         )
 
-    def observe_engine(self, engine: LLMEngine) -> None:
-        """Refresh the gauges from the engine's own accounting."""
-        held = engine.store.used_bytes
-        self.running.set(engine.num_running)
-        self.waiting.set(engine.num_waiting)
-        self.kv_memory.set(held)
-        self.kv_pool.labels("running").set(held)
-        self.kv_capacity.set(engine.store.max_bytes)
-        self.kv_usage.set(held / engine.store.max_bytes)
+    def bind_engine(self, engine: LLMEngine) -> None:
+        """Gauges read the engine's own accounting when scraped, so they are never stale."""
+        store = engine.store
+        self.running.set_function(lambda: engine.num_running)
+        self.waiting.set_function(lambda: engine.num_waiting)
+        self.kv_memory.set_function(lambda: store.used_bytes)
+        self.kv_pool.labels("running").set_function(lambda: store.used_bytes)
+        self.kv_capacity.set_function(lambda: store.max_bytes)
+        self.kv_usage.set_function(lambda: store.used_bytes / store.max_bytes)
 
     def observe_step(self, stats: StepStats, engine: LLMEngine) -> None:
         self.step_time.observe(stats.duration_s)
         self.batch_size.observe(stats.num_seqs)
         if stats.num_preempted:
             self.preemptions.inc(stats.num_preempted)
-        self.observe_engine(engine)
 
     def observe_request(
         self, status: str, prompt_tokens: int, completion_tokens: int, latency: float, ttft: float | None

@@ -58,8 +58,9 @@ def packed_kv_attention(
     Without a packed batch (the model called directly, e.g. by `generate`) it is plain SDPA.
     """
     if packed_batch is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     store, layer = packed_batch.store, module.layer_idx
     outputs = []
     for seg in packed_batch.segments:

@@ -33,7 +33,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     finite, top_prob, greedy_ids, entropy = (t.cpu() for t in (finite, top_prob, greedy_ids, entropy))
 
     outputs = []
-    for row, (p, gen) in enumerate(zip(params, generators)):
+    for row, (p, gen) in enumerate(zip(params, generators, strict=False)):
         if not finite[row]:
             outputs.append(SampleOutput(None, 0.0, 0.0, "the model produced non-finite logits"))
             continue

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 
 import torch
 
@@ -31,7 +31,7 @@ class SequenceStatus(Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     STOP = "stop"  # EOS or a stop string
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # cancelled, e.g. the client went away

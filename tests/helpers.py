@@ -19,10 +19,24 @@ from app.sequence import SamplingParams
 ROOT = Path(__file__).resolve().parent.parent
 
 TINY_CONFIGS = {
-    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
-    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    ),
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=512),
 }
 
@@ -32,8 +46,14 @@ def tiny_model(family: str, vocab_size: int, eos_token_id: int, seed: int = 0) -
     torch.manual_seed(seed)
     kwargs = dict(TINY_CONFIGS[family])
     model_type = kwargs.pop("model_type")
-    config = AutoConfig.for_model(model_type, vocab_size=vocab_size, eos_token_id=eos_token_id,
-                                  bos_token_id=eos_token_id, initializer_range=0.2, **kwargs)
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab_size,
+        eos_token_id=eos_token_id,
+        bos_token_id=eos_token_id,
+        initializer_range=0.2,
+        **kwargs,
+    )
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
@@ -57,10 +77,17 @@ def text_of(outputs: list[RequestOutput]) -> str:
 def reference_greedy(model: PreTrainedModel, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
     """transformers `generate`, one request alone: tokens and the logits of each step."""
     ids = torch.tensor([prompt_ids])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-                         output_logits=True, return_dict_in_generate=True, pad_token_id=model.config.eos_token_id,
-                         eos_token_id=None)
-    return out.sequences[0, len(prompt_ids):].tolist(), torch.cat(out.logits).float()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=model.config.eos_token_id,
+        eos_token_id=None,
+    )
+    return out.sequences[0, len(prompt_ids) :].tolist(), torch.cat(out.logits).float()
 
 
 def free_port() -> int:
@@ -75,12 +102,22 @@ class LiveServer:
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, str(ROOT / "serve.py"), "--host", "127.0.0.1", "--port", str(self.port),
-               "--torch-threads", "2", *args]
+        cmd = [
+            sys.executable,
+            str(ROOT / "serve.py"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--torch-threads",
+            "2",
+            *args,
+        ]
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"conf-kv-test-{self.port}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 180.0) -> None:

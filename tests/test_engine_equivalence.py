@@ -20,7 +20,7 @@ def run_staggered(engine, prompts: list[list[int]], max_tokens: int, arrivals: l
 
     def capturing_run(chunks):
         logits = run(chunks)
-        for chunk, row in zip([c for c in chunks if c.needs_logits], logits):
+        for chunk, row in zip([c for c in chunks if c.needs_logits], logits, strict=False):
             logits_by_seq[chunk.seq_id].append(row.clone())
         return logits
 
@@ -41,7 +41,7 @@ def assert_same_greedy(got: list[int], got_logits, want: list[int], want_logits:
     """Tokens must be identical; only where the reference's top-two margin is a near-tie may they
     differ, and then the logits at that step must agree within tolerance (the rest diverges)."""
     assert len(got) == len(want)
-    for t, (a, b) in enumerate(zip(got, want)):
+    for t, (a, b) in enumerate(zip(got, want, strict=False)):
         if a == b:
             continue
         top2 = want_logits[t].topk(2).values
@@ -60,7 +60,7 @@ def test_tiny_models_match_generate(family, tokenizer):
     # A small token budget forces chunked prefill beside running decodes.
     engine = make_engine(model, tokenizer, max_num_batched_tokens=32)
     results = run_staggered(engine, prompts, max_tokens=12, arrivals=[0, 0, 0, 3, 5, 5, 9])
-    for prompt, (got, got_logits) in zip(prompts, results):
+    for prompt, (got, got_logits) in zip(prompts, results, strict=False):
         want, want_logits = reference_greedy(model, prompt, 12)
         assert_same_greedy(got, got_logits, want, want_logits)
     assert engine.store.used_bytes == 0
@@ -79,7 +79,7 @@ def test_default_model_matches_generate(default_model, tokenizer):
     prompts = [tokenizer(t).input_ids for t in texts]
     engine = make_engine(default_model, tokenizer, max_num_batched_tokens=16)
     results = run_staggered(engine, prompts, max_tokens=16, arrivals=[0, 0, 2, 2, 6, 11])
-    for prompt, (got, got_logits) in zip(prompts, results):
+    for prompt, (got, got_logits) in zip(prompts, results, strict=False):
         want, want_logits = reference_greedy(default_model, prompt, 16)
         assert_same_greedy(got, got_logits, want, want_logits)
     assert engine.store.used_bytes == 0

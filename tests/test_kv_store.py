@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -75,10 +77,8 @@ def test_accounting_matches_tensors_and_budget(ops, budget_tokens):
     store = make_store(max_bytes=budget_tokens * store_token_bytes())
     for op, seq_id, n in ops:
         if op == "grow":
-            try:
+            with contextlib.suppress(KVBudgetExceeded):
                 fill(store, seq_id, n, start=store.seq_length(seq_id))
-            except KVBudgetExceeded:
-                pass
         elif op == "free":
             store.free(seq_id)
         elif seq_id in store and store.seq_length(seq_id, 0):

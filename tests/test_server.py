@@ -1,0 +1,205 @@
+"""The real server on loopback, on the embedded default model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.helpers import LiveServer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(default_path):
+    srv = LiveServer("--model-path", str(default_path), "--max-cache-size", "256", "--max-num-seqs", "8")
+    yield srv
+    srv.stop()
+
+
+def post(server, body, timeout=120):
+    return httpx.post(f"{server.url}/generate", json=body, timeout=timeout)
+
+
+def stream_events(server, body) -> list[dict]:
+    events = []
+    with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                events.append(json.loads(line[5:]))
+    return events
+
+
+def wait_for_kv_bytes(server, expected: float = 0.0, timeout: float = 10.0) -> float:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = server.metric("kv_cache_memory_bytes")
+        if value == expected or time.monotonic() > deadline:
+            return value
+        time.sleep(0.1)
+
+
+def test_health_and_ready(server):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/ready").json() == {"status": "ready"}
+
+
+def test_generate_greedy(server):
+    r = post(server, {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["text"].startswith(" Paris")
+    assert body["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "cached_prompt_tokens": 0}
+    assert body["id"].startswith("gen-")
+
+
+def test_chat_messages_use_the_chat_template(server):
+    r = post(
+        server,
+        {
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 24,
+            "temperature": 0,
+        },
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert "Paris" in body["text"]
+    assert body["usage"]["prompt_tokens"] > 20  # system prompt and role markers were added
+
+
+def test_stream_gives_the_same_text_as_non_stream(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
+    whole = post(server, body).json()
+    events = stream_events(server, body)
+    assert len(events) > 3
+    assert "".join(e["text"] for e in events) == whole["text"]
+    assert all("finish_reason" not in e for e in events[:-1])
+    assert events[-1]["finish_reason"] == whole["finish_reason"]
+    assert events[-1]["usage"] == whole["usage"]
+
+
+def test_stop_strings_cut_the_text(server):
+    body = {"prompt": "Count: one, two, three, four, five, six,", "max_tokens": 30, "temperature": 0}
+    full = post(server, body).json()["text"]
+    assert "," in full
+    cut = post(server, {**body, "stop": [","]}).json()
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"] == full[: full.index(",")]
+    streamed = stream_events(server, {**body, "stop": [","]})
+    assert "".join(e["text"] for e in streamed) == cut["text"]
+
+
+async def _concurrent(server, bodies):
+    async with httpx.AsyncClient(timeout=120) as client:
+        responses = await asyncio.gather(*(client.post(f"{server.url}/generate", json=b) for b in bodies))
+    return [r.json() for r in responses]
+
+
+def test_seeds_reproduce_under_concurrency(server):
+    seeded = {"prompt": "My favourite animal is", "max_tokens": 20, "temperature": 0.9, "seed": 42}
+    alone = post(server, seeded).json()["text"]
+    others = [{"prompt": f"Story number {i}:", "max_tokens": 16 + i, "temperature": 1.0} for i in range(4)]
+    results = asyncio.run(_concurrent(server, [*others[:2], seeded, *others[2:]]))
+    assert results[2]["text"] == alone
+    unseeded = asyncio.run(_concurrent(server, [{**seeded, "seed": s} for s in (1, 2, 3)]))
+    assert len({r["text"] for r in unseeded}) > 1
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"prompt": ""}, "prompt"),
+        ({}, "body"),
+        ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "body"),
+        ({"prompt": "a", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "a", "temperature": -0.5}, "temperature"),
+        ({"prompt": "a", "top_p": 0}, "top_p"),
+        ({"prompt": "a", "top_p": 1.5}, "top_p"),
+        ({"prompt": "a", "compression": {"policy": "dynamic", "bogus": 1}}, "compression.bogus"),
+        ({"prompt": "a", "compression": {"compression_rate": 1.0}}, "compression.compression_rate"),
+        ({"prompt": "a", "compression": {"policy": "magic"}}, "compression.policy"),
+        ({"prompt": "a", "stop": [""]}, "body"),
+        ({"prompt": "a", "unknown_field": True}, "unknown_field"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ],
+)
+def test_bad_input_gets_422_naming_the_field(server, body, field):
+    r = post(server, body)
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request"
+    assert field in error["fields"]
+
+
+def test_valid_compression_options_are_accepted(server):
+    body = {
+        "prompt": "Hi",
+        "max_tokens": 2,
+        "compression": {
+            "enabled": True,
+            "policy": "h2o",
+            "compression_rate": 0.6,
+            "thresholds": {"high": 0.9, "medium": 0.7},
+            "prediction_window": 128,
+            "compression_interval": 8,
+        },
+        "compression_stats": True,
+    }
+    assert post(server, body).status_code == 200
+
+
+def test_prompt_longer_than_the_context_gets_413(server):
+    r = post(server, {"prompt": "word " * 9000, "max_tokens": 10})
+    assert r.status_code == 413
+    assert r.json()["error"]["type"] == "context_length_exceeded"
+    r = post(server, {"prompt": "word " * 100, "max_tokens": 8150})
+    assert r.status_code == 413 and "max_tokens" in r.json()["error"]["message"]
+
+
+def test_malformed_json_gets_422(server):
+    r = httpx.post(f"{server.url}/generate", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422
+
+
+def test_memory_comes_back_after_disconnects(server):
+    # Counting keeps the model going well past the client's patience.
+    body = {"prompt": "Count from 1 to 1000: 1, 2, 3, 4,", "max_tokens": 400, "temperature": 0}
+    # A streaming client that goes away after two events.
+    with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True}, timeout=60) as r:
+        lines = r.iter_lines()
+        seen = 0
+        for line in lines:
+            seen += line.startswith("data:")
+            if seen == 2:
+                break
+    # A non-streaming client that gives up.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/generate", json=body, timeout=1.5)
+    assert wait_for_kv_bytes(server, 0.0) == 0.0
+    assert server.metric("kv_cache_bytes", '{pool="running"}') == 0.0
+    assert server.metric("requests_total", '{status="abort"}') >= 2
+    assert server.metric("requests_running") == 0
+
+
+def test_metrics_count_requests_and_tokens(server):
+    before = server.metric("generation_tokens_total")
+    post(server, {"prompt": "Hello", "max_tokens": 5, "temperature": 0})
+    assert server.metric("generation_tokens_total") == before + 5
+    assert server.metric("time_to_first_token_seconds_count") >= 1
+    assert server.metric("time_per_output_token_seconds_count") >= 1
+    assert server.metric("kv_cache_capacity_bytes") == 256 * 2**20
+    try:
+        refused = server.metric("requests_total", '{status="422"}')
+    except KeyError:
+        refused = 0.0
+    assert post(server, {"prompt": ""}).status_code == 422
+    assert server.metric("requests_total", '{status="422"}') == refused + 1
