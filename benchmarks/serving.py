@@ -1,0 +1,175 @@
+"""Serving benchmark: this engine against transformers' continuous batching and plain `generate`.
+
+Side by side in one run on the same model, prompts and settings (greedy, fixed lengths, EOS ignored):
+output tokens/s and median time per output token (TPOT) and to first token (TTFT) at each concurrency.
+
+    python benchmarks/serving.py                 # 512-token prompts, 128 new tokens, concurrency 1 4 16
+    python benchmarks/serving.py --quick         # a few minutes
+Results: benchmarks/results/serving.json and serving.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import GenerationConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from app.engine import EngineConfig, LLMEngine  # noqa: E402
+from app.sequence import SamplingParams  # noqa: E402
+from benchmarks.corpus import text_of_tokens  # noqa: E402
+from models.loader import load_model  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Run:
+    system: str
+    concurrency: int
+    requests: int
+    output_tokens: int
+    wall_s: float
+    median_tpot_ms: float
+    median_ttft_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+def run_engine(model, tokenizer, prompts, max_new, max_batched_tokens) -> tuple[float, list[float], list[float]]:
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_cache_bytes=2**33, max_num_seqs=len(prompts),
+                                                      max_num_batched_tokens=max_batched_tokens))
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    first, last = {}, {}
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    with torch.inference_mode():
+        while engine.has_unfinished():
+            for out in engine.step():
+                now = time.perf_counter()
+                first.setdefault(out.request_id, now)
+                last[out.request_id] = now
+    wall = time.perf_counter() - start
+    ttft = [first[k] - start for k in first]
+    tpot = [(last[k] - first[k]) / (max_new - 1) for k in first]
+    return wall, ttft, tpot
+
+
+def run_generate_batch(model, tokenizer, prompts, max_new, _) -> tuple[float, list[float], list[float]]:
+    config = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=-1,
+                              pad_token_id=tokenizer.pad_token_id or 0)
+    start = time.perf_counter()
+    outputs = model.generate_batch(prompts, generation_config=config, record_timestamps=True, progress_bar=False)
+    wall = time.perf_counter() - start
+    ttft = [o.timestamps[0] - o.created_time for o in outputs.values()]
+    tpot = [(o.timestamps[-1] - o.timestamps[0]) / (len(o.timestamps) - 1) for o in outputs.values()]
+    return wall, ttft, tpot
+
+
+def run_sequential(model, tokenizer, prompts, max_new, _) -> tuple[float, list[float], list[float]]:
+    ttft, tpot = [], []
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            t0 = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
+            t1 = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=max_new,
+                           do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            t2 = time.perf_counter()
+            ttft.append(t1 - t0)
+            tpot.append((t2 - t1 - (t1 - t0)) / (max_new - 1))
+    # Each prompt ran twice above (once for TTFT); count the full generation only.
+    wall = time.perf_counter() - start - sum(ttft)
+    return wall, ttft, tpot
+
+
+SYSTEMS = {"conf-kv engine": run_engine, "transformers generate_batch": run_generate_batch,
+           "transformers generate (sequential)": run_sequential}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", type=Path, default=None)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--sequential-requests", type=int, default=2,
+                        help="plain generate runs one request at a time, so its figures do not depend on "
+                             "concurrency: it is measured on this many requests once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="128-token prompts, 32 new tokens, concurrency 1 4")
+    parser.add_argument("--out", type=Path, default=RESULTS / "serving")
+    args = parser.parse_args()
+    if args.quick:
+        args.prompt_tokens, args.max_new_tokens, args.concurrency = 128, 32, [1, 4]
+    torch.set_num_threads(args.threads)
+
+    runs: list[Run] = []
+    plan = [(name, c) for c in args.concurrency for name in SYSTEMS if not (name.endswith("(sequential)") and c > 1)]
+    for name, concurrency in tqdm(plan, desc="serving benchmark", unit="run"):
+        # A fresh model per run: generate_batch switches the model to its own paged attention.
+        model, tokenizer = load_model(args.model_path, torch.device("cpu"))
+        n = args.sequential_requests if name.endswith("(sequential)") else concurrency
+        prompts = [text_of_tokens(tokenizer, args.prompt_tokens, offset=7 * i) for i in range(n)]
+        SYSTEMS[name](model, tokenizer, prompts[:1], 2, args.max_num_batched_tokens)  # warm-up
+        wall, ttft, tpot = SYSTEMS[name](model, tokenizer, prompts, args.max_new_tokens, args.max_num_batched_tokens)
+        runs.append(Run(name, concurrency, n, n * args.max_new_tokens, wall,
+                        1000 * statistics.median(tpot), statistics.median(ttft)))
+        tqdm.write(f"{name:38s} c={concurrency:<3d} {runs[-1].tokens_per_s:7.1f} tok/s  "
+                   f"TPOT {runs[-1].median_tpot_ms:6.1f} ms  TTFT {runs[-1].median_ttft_s:6.2f} s")
+        del model
+        gc.collect()
+
+    report(runs, args)
+
+
+def report(runs: list[Run], args) -> None:
+    by = {(r.system, r.concurrency): r for r in runs}
+    seq = next(r for r in runs if r.system.endswith("(sequential)"))
+    lines = [
+        f"Prompts of {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens (greedy, EOS ignored), "
+        f"{args.threads} CPU threads, fp32. Plain generate runs requests one at a time; its row is measured "
+        f"on {seq.requests} requests and holds for every concurrency.",
+        "",
+        "| concurrency | system | output tok/s | median TPOT ms | median TTFT s | tok/s vs generate_batch |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for c in args.concurrency:
+        peer = by.get(("transformers generate_batch", c))
+        for name in SYSTEMS:
+            r = by.get((name, c)) or (seq if name.endswith("(sequential)") else None)
+            if r is None:
+                continue
+            ratio = f"{r.tokens_per_s / peer.tokens_per_s:.2f}x" if peer else ""
+            lines.append(f"| {c} | {name} | {r.tokens_per_s:.1f} | {r.median_tpot_ms:.1f} | "
+                         f"{r.median_ttft_s:.2f} | {ratio} |")
+    table = "\n".join(lines)
+    print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens, "threads": args.threads,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "torch": torch.__version__,
+            "machine": platform.machine(), "processor": platform.processor()}
+    payload = {"meta": meta, "runs": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in runs]}
+    args.out.with_suffix(".json").write_text(json.dumps(payload, indent=2))
+    args.out.with_suffix(".md").write_text("# Serving benchmark\n\n" + table + "\n")
+
+
+if __name__ == "__main__":
+    main()
