@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from app.settings import Settings, load_settings, parse_size
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_shipped_config_file_states_the_defaults():
+    from_file = load_settings(["--config", str(ROOT / "config" / "server.yaml")])
+    assert from_file.model_dump(exclude={"config"}) == Settings().model_dump(exclude={"config"})
+
+
+def test_precedence_flags_over_env_over_file(tmp_path, monkeypatch):
+    config = tmp_path / "c.yaml"
+    config.write_text("port: 9000\nmax_num_seqs: 4\nmax_cache_size: 1GiB\n")
+    monkeypatch.setenv("CONFKV_MAX_NUM_SEQS", "6")
+    s = load_settings(["--config", str(config), "--max-cache-size", "512", "--compression-enabled", "false"])
+    assert (s.port, s.max_num_seqs, s.max_cache_size, s.compression_enabled) == (9000, 6, "512", False)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("4096", 4096 * 2**20), ("2GiB", 2 * 2**30), ("512MB", 512 * 10**6), ("50%", 500), ("1.5gib", 3 * 2**29)],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text, total_bytes=1000) == expected
+
+
+@pytest.mark.parametrize("text", ["abc", "0", "-5", "150%", "12 parsecs"])
+def test_bad_sizes_are_refused(text):
+    with pytest.raises(ValueError, match="max_cache_size|percentage"):
+        parse_size(text, total_bytes=1000)
+    with pytest.raises(ValidationError):
+        Settings(max_cache_size=text)
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_settings(["--config", str(tmp_path / "nope.yaml")])
