@@ -50,8 +50,11 @@ class Run:
 
 
 def run_engine(model, tokenizer, prompts, max_new, max_batched_tokens) -> tuple[float, list[float], list[float]]:
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_cache_bytes=2**33, max_num_seqs=len(prompts),
-                                                      max_num_batched_tokens=max_batched_tokens))
+    engine = LLMEngine(
+        model,
+        tokenizer,
+        EngineConfig(max_cache_bytes=2**33, max_num_seqs=len(prompts), max_num_batched_tokens=max_batched_tokens),
+    )
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     first, last = {}, {}
@@ -70,8 +73,9 @@ def run_engine(model, tokenizer, prompts, max_new, max_batched_tokens) -> tuple[
 
 
 def run_generate_batch(model, tokenizer, prompts, max_new, _) -> tuple[float, list[float], list[float]]:
-    config = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=-1,
-                              pad_token_id=tokenizer.pad_token_id or 0)
+    config = GenerationConfig(
+        max_new_tokens=max_new, do_sample=False, eos_token_id=-1, pad_token_id=tokenizer.pad_token_id or 0
+    )
     start = time.perf_counter()
     outputs = model.generate_batch(prompts, generation_config=config, record_timestamps=True, progress_bar=False)
     wall = time.perf_counter() - start
@@ -89,8 +93,14 @@ def run_sequential(model, tokenizer, prompts, max_new, _) -> tuple[float, list[f
             t0 = time.perf_counter()
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
             t1 = time.perf_counter()
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=max_new,
-                           do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
             t2 = time.perf_counter()
             ttft.append(t1 - t0)
             tpot.append((t2 - t1 - (t1 - t0)) / (max_new - 1))
@@ -99,8 +109,11 @@ def run_sequential(model, tokenizer, prompts, max_new, _) -> tuple[float, list[f
     return wall, ttft, tpot
 
 
-SYSTEMS = {"conf-kv engine": run_engine, "transformers generate_batch": run_generate_batch,
-           "transformers generate (sequential)": run_sequential}
+SYSTEMS = {
+    "conf-kv engine": run_engine,
+    "transformers generate_batch": run_generate_batch,
+    "transformers generate (sequential)": run_sequential,
+}
 
 
 def main() -> None:
@@ -109,9 +122,13 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--sequential-requests", type=int, default=2,
-                        help="plain generate runs one request at a time, so its figures do not depend on "
-                             "concurrency: it is measured on this many requests once")
+    parser.add_argument(
+        "--sequential-requests",
+        type=int,
+        default=2,
+        help="plain generate runs one request at a time, so its figures do not depend on "
+        "concurrency: it is measured on this many requests once",
+    )
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="128-token prompts, 32 new tokens, concurrency 1 4")
@@ -130,10 +147,21 @@ def main() -> None:
         prompts = [text_of_tokens(tokenizer, args.prompt_tokens, offset=7 * i) for i in range(n)]
         SYSTEMS[name](model, tokenizer, prompts[:1], 2, args.max_num_batched_tokens)  # warm-up
         wall, ttft, tpot = SYSTEMS[name](model, tokenizer, prompts, args.max_new_tokens, args.max_num_batched_tokens)
-        runs.append(Run(name, concurrency, n, n * args.max_new_tokens, wall,
-                        1000 * statistics.median(tpot), statistics.median(ttft)))
-        tqdm.write(f"{name:38s} c={concurrency:<3d} {runs[-1].tokens_per_s:7.1f} tok/s  "
-                   f"TPOT {runs[-1].median_tpot_ms:6.1f} ms  TTFT {runs[-1].median_ttft_s:6.2f} s")
+        runs.append(
+            Run(
+                name,
+                concurrency,
+                n,
+                n * args.max_new_tokens,
+                wall,
+                1000 * statistics.median(tpot),
+                statistics.median(ttft),
+            )
+        )
+        tqdm.write(
+            f"{name:38s} c={concurrency:<3d} {runs[-1].tokens_per_s:7.1f} tok/s  "
+            f"TPOT {runs[-1].median_tpot_ms:6.1f} ms  TTFT {runs[-1].median_ttft_s:6.2f} s"
+        )
         del model
         gc.collect()
 
@@ -158,14 +186,21 @@ def report(runs: list[Run], args) -> None:
             if r is None:
                 continue
             ratio = f"{r.tokens_per_s / peer.tokens_per_s:.2f}x" if peer else ""
-            lines.append(f"| {c} | {name} | {r.tokens_per_s:.1f} | {r.median_tpot_ms:.1f} | "
-                         f"{r.median_ttft_s:.2f} | {ratio} |")
+            lines.append(
+                f"| {c} | {name} | {r.tokens_per_s:.1f} | {r.median_tpot_ms:.1f} | {r.median_ttft_s:.2f} | {ratio} |"
+            )
     table = "\n".join(lines)
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens, "threads": args.threads,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "torch": torch.__version__,
-            "machine": platform.machine(), "processor": platform.processor()}
+    meta = {
+        "prompt_tokens": args.prompt_tokens,
+        "max_new_tokens": args.max_new_tokens,
+        "threads": args.threads,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+    }
     payload = {"meta": meta, "runs": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in runs]}
     args.out.with_suffix(".json").write_text(json.dumps(payload, indent=2))
     args.out.with_suffix(".md").write_text("# Serving benchmark\n\n" + table + "\n")

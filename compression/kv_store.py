@@ -1,12 +1,21 @@
-"""Per-sequence, per-layer KV buffers with exact byte accounting against one global budget.
+"""Per-sequence, per-layer KV buffers in tiers, with exact byte accounting against one budget.
 
-Each (sequence, layer) owns contiguous key and value buffers of shape [kv_heads, capacity, head_dim]
-that grow in chunks and can be compacted in place, so attention reads them without a gather.
-Layers of one sequence may hold different tokens once compression drops entries, which is why
-every layer keeps the positions of the tokens it holds.
+Layout of one (sequence, layer), in key order:
 
-The account counts the bytes of every buffer allocated (capacity, not just the filled part), so
-`used_bytes` is the memory really held and `max_bytes` is a hard limit.
+    keys      [ KEY_ONLY entries ... | FULL entries ... ]   at the storage precision
+    values                           [ FULL values ... ]    at the storage precision
+    ko_values [ quantised values ... ]                      int4 or int8, per token and head
+
+New tokens are appended as FULL at the end, so attention reads contiguous buffers without a
+gather: the probabilities of the first `num_key_only` entries meet the dequantised KEY_ONLY values,
+the rest meet the FULL values. Attention does not care about key order (RoPE is baked into the
+keys); only a prefill chunk's causal mask does, and its new entries are always the last ones.
+Compaction rebuilds the buffers at their new size, so dropped and demoted entries really give their
+bytes back. Layers of one sequence may hold different tokens; each keeps its entries' positions.
+
+The account counts every tensor that holds keys or values (capacity, not just the filled part),
+their quantisation scales included. Positions and observed attention (8 bytes a token and layer,
+not KV) are bookkeeping and are not counted.
 """
 
 from __future__ import annotations
@@ -14,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from compression.quant import Quantized, bytes_per_vector, dequantize, quantize
 
 # Buffers grow by at least this many tokens, and by an eighth of their size when large, so that
 # appending one token per decode step costs amortised O(1) copies with at most ~12% slack.
@@ -24,20 +35,82 @@ class KVBudgetExceeded(RuntimeError):
     """Raised when a reservation would take the store past its byte budget."""
 
 
-@dataclass
-class LayerKV:
-    keys: torch.Tensor  # [kv_heads, capacity, head_dim]
-    values: torch.Tensor  # [kv_heads, capacity, head_dim]
-    positions: torch.Tensor  # [capacity] token positions of the entries held
-    length: int = 0
+class Codec:
+    """How FULL keys and values are stored: a float dtype, or int8 with a scale per token and head."""
+
+    def __init__(self, storage: torch.dtype | str, compute_dtype: torch.dtype, head_dim: int) -> None:
+        self.quantized = storage in ("int8", torch.int8)
+        self.dtype = torch.int8 if self.quantized else storage
+        self.compute_dtype = compute_dtype
+        self.head_dim = head_dim
 
     @property
-    def capacity(self) -> int:
+    def vector_bytes(self) -> int:
+        if self.quantized:
+            return bytes_per_vector(self.head_dim, 8)
+        return self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def empty(self, heads: int, capacity: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        data = torch.empty((heads, capacity, self.head_dim), dtype=self.dtype, device=device)
+        scale = torch.empty((heads, capacity), dtype=torch.float16, device=device) if self.quantized else None
+        return data, scale
+
+    def write(self, data: torch.Tensor, scale: torch.Tensor | None, start: int, x: torch.Tensor) -> None:
+        end = start + x.shape[1]
+        if self.quantized:
+            q = quantize(x, 8)
+            data[:, start:end] = q.codes
+            scale[:, start:end] = q.scale
+        else:
+            data[:, start:end] = x
+
+    def read(self, data: torch.Tensor, scale: torch.Tensor | None, end: int, start: int = 0) -> torch.Tensor:
+        if self.quantized:
+            return dequantize(Quantized(data[:, start:end], scale[:, start:end], None, 8), self.compute_dtype)
+        return data[:, start:end] if data.dtype == self.compute_dtype else data[:, start:end].to(self.compute_dtype)
+
+
+@dataclass
+class LayerKV:
+    keys: torch.Tensor
+    key_scale: torch.Tensor | None
+    values: torch.Tensor
+    value_scale: torch.Tensor | None
+    positions: torch.Tensor  # [capacity] token positions, in key order
+    attention: torch.Tensor  # [capacity] float32 attention observed by the scoring policy
+    ko_values: Quantized | None = None
+    length: int = 0
+    num_key_only: int = 0
+
+    @property
+    def key_capacity(self) -> int:
         return self.keys.shape[1]
 
     @property
+    def value_capacity(self) -> int:
+        return self.values.shape[1]
+
+    @property
+    def num_full(self) -> int:
+        return self.length - self.num_key_only
+
+    @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        total = self.keys.nbytes + self.values.nbytes
+        for t in (self.key_scale, self.value_scale):
+            if t is not None:
+                total += t.nbytes
+        return total + (self.ko_values.nbytes if self.ko_values is not None else 0)
+
+
+@dataclass
+class LayerView:
+    """What attention needs from one layer: dense keys and the values of both tiers."""
+
+    keys: torch.Tensor  # [kv_heads, length, head_dim], compute dtype
+    values: torch.Tensor  # [kv_heads, num_full, head_dim], compute dtype
+    ko_values: Quantized | None
+    num_key_only: int
 
 
 @dataclass
@@ -60,29 +133,44 @@ class KVStore:
         max_bytes: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        storage: torch.dtype | str | None = None,
+        key_only_bits: int = 4,
     ) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.max_bytes = max_bytes
-        self.dtype = dtype
+        self.dtype = dtype  # the model's dtype: what attention computes in
         self.device = torch.device(device)
+        self.codec = Codec(storage if storage is not None else dtype, dtype, head_dim)
+        self.key_only_bits = key_only_bits
         self.used_bytes = 0
         self._seqs: dict[int, SequenceKV] = {}
 
     # ----- sizes -------------------------------------------------------------------------
     @property
     def token_bytes_per_layer(self) -> int:
-        """Bytes of one token's key and value in one layer at the store's dtype."""
-        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        """Bytes of one FULL token's key and value in one layer at the storage precision."""
+        return 2 * self.num_kv_heads * self.codec.vector_bytes
 
     @property
     def token_bytes(self) -> int:
-        """Bytes of one token's keys and values over all layers."""
+        """Bytes of one FULL token's keys and values over all layers."""
         return self.num_layers * self.token_bytes_per_layer
 
+    @property
+    def key_only_token_bytes_per_layer(self) -> int:
+        """Bytes of one KEY_ONLY token in one layer: its key as stored, its value quantised."""
+        return self.num_kv_heads * (self.codec.vector_bytes + bytes_per_vector(self.head_dim, self.key_only_bits))
+
+    @property
+    def model_token_bytes(self) -> int:
+        """Bytes of one token over all layers in an uncompressed cache at the model's dtype."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
+
     def bytes_for(self, num_tokens: int) -> int:
-        """Bytes a new sequence of `num_tokens` tokens takes, growth granularity included."""
+        """Bytes a new sequence of `num_tokens` FULL tokens takes, growth granularity included."""
         return self.num_layers * _round_up(num_tokens, GROWTH_CHUNK) * self.token_bytes_per_layer
 
     @property
@@ -97,6 +185,9 @@ class KVStore:
         seq = self._seqs.get(seq_id)
         return seq.layers[layer].length if seq else 0
 
+    def layer(self, seq_id: int, layer_idx: int) -> LayerKV:
+        return self._seqs[seq_id].layers[layer_idx]
+
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._seqs
 
@@ -105,21 +196,21 @@ class KVStore:
 
     # ----- lifecycle ---------------------------------------------------------------------
     def reserve(self, seq_id: int, num_new: int) -> None:
-        """Make room for `num_new` more tokens in every layer of a sequence, or raise.
+        """Make room for `num_new` more FULL tokens in every layer of a sequence, or raise.
 
         All-or-nothing: either every layer has room afterwards or nothing changed.
         """
         created = seq_id not in self._seqs
-        seq = self._seqs.setdefault(seq_id, SequenceKV(self._empty_layers()))
-        per_token = self.token_bytes_per_layer
-        growth = []
+        seq = self._seqs.setdefault(seq_id, SequenceKV([self._new_layer(0, 0) for _ in range(self.num_layers)]))
+        vector = self.num_kv_heads * self.codec.vector_bytes  # one key or one value, one layer
+        growth = []  # (layer, exact keys, generous keys, exact values, generous values)
         for layer in seq.layers:
-            need = layer.length + num_new
-            if need > layer.capacity:
-                exact = _round_up(need, GROWTH_CHUNK)
-                generous = max(exact, _round_up(layer.capacity + layer.capacity // 8, GROWTH_CHUNK))
-                growth.append((layer, exact, generous))
-        needed = sum((exact - layer.capacity) * per_token for layer, exact, _ in growth)
+            k_need, v_need = layer.length + num_new, layer.num_full + num_new
+            if k_need > layer.key_capacity or v_need > layer.value_capacity:
+                growth.append((layer, *_sizes(layer.key_capacity, k_need), *_sizes(layer.value_capacity, v_need)))
+        needed = sum(
+            ((ke - layer.key_capacity) + (ve - layer.value_capacity)) * vector for layer, ke, _, ve, _ in growth
+        )
         if needed > self.free_bytes:
             if created:
                 del self._seqs[seq_id]
@@ -128,51 +219,69 @@ class KVStore:
             )
         # Grow generously while the budget allows it, exactly otherwise.
         slack = self.free_bytes - needed
-        for layer, exact, generous in growth:
-            surplus = (generous - exact) * per_token
+        for layer, k_exact, k_generous, v_exact, v_generous in growth:
+            surplus = ((k_generous - k_exact) + (v_generous - v_exact)) * vector
             if surplus <= slack:
                 slack -= surplus
-                exact = generous
-            self._resize(layer, exact)
+                k_exact, v_exact = k_generous, v_generous
+            self._resize(layer, k_exact, v_exact)
 
     def append(
         self, seq_id: int, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
     ) -> None:
-        """Write new entries (keys/values [kv_heads, n, head_dim]) after the filled part.
+        """Write new FULL entries (keys/values [kv_heads, n, head_dim]) after the held ones.
 
         Room must have been reserved; this runs inside the forward pass and never allocates.
         """
         layer = self._seqs[seq_id].layers[layer_idx]
         n = keys.shape[1]
-        end = layer.length + n
-        layer.keys[:, layer.length : end] = keys
-        layer.values[:, layer.length : end] = values
-        layer.positions[layer.length : end] = positions
-        layer.length = end
+        start = layer.length
+        self.codec.write(layer.keys, layer.key_scale, start, keys)
+        self.codec.write(layer.values, layer.value_scale, layer.num_full, values)
+        layer.positions[start : start + n] = positions
+        layer.attention[start : start + n] = 0.0
+        layer.length += n
 
-    def view(self, seq_id: int, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values held by one layer of one sequence, without a copy."""
+    def view(self, seq_id: int, layer_idx: int) -> LayerView:
+        """Keys and values held by one layer of one sequence (no copy at float storage)."""
         layer = self._seqs[seq_id].layers[layer_idx]
-        return layer.keys[:, : layer.length], layer.values[:, : layer.length]
+        keys = self.codec.read(layer.keys, layer.key_scale, layer.length)
+        values = self.codec.read(layer.values, layer.value_scale, layer.num_full)
+        return LayerView(keys, values, layer.ko_values, layer.num_key_only)
 
     def positions(self, seq_id: int, layer_idx: int) -> torch.Tensor:
         layer = self._seqs[seq_id].layers[layer_idx]
         return layer.positions[: layer.length]
 
-    def compact(self, seq_id: int, layer_idx: int, keep: torch.Tensor) -> int:
-        """Keep only the entries at indices `keep` (sorted) and give back the freed bytes."""
+    def retier(self, seq_id: int, layer_idx: int, keep_full: torch.Tensor, keep_key_only: torch.Tensor) -> int:
+        """Rebuild one layer holding only the given entries (indices in key order); return bytes freed.
+
+        `keep_key_only` may name KEY_ONLY entries (kept as they are) and FULL ones (their values are
+        quantised now); `keep_full` may name FULL entries only, since a quantised value cannot be
+        restored. Entries named in neither are dropped.
+        """
         layer = self._seqs[seq_id].layers[layer_idx]
+        if bool((keep_full < layer.num_key_only).any()):
+            raise ValueError("a KEY_ONLY entry cannot become FULL again")
         before = layer.nbytes
-        n = int(keep.numel())
-        cap = _round_up(n, GROWTH_CHUNK)
-        keys = torch.empty((self.num_kv_heads, cap, self.head_dim), dtype=self.dtype, device=self.device)
-        values = torch.empty_like(keys)
-        pos = torch.empty(cap, dtype=torch.long, device=self.device)
-        keys[:, :n] = layer.keys.index_select(1, keep)
-        values[:, :n] = layer.values.index_select(1, keep)
-        pos[:n] = layer.positions.index_select(0, keep)
-        layer.keys, layer.values, layer.positions, layer.length = keys, values, pos, n
-        freed = before - layer.nbytes
+        keep_key_only = keep_key_only.sort().values
+        keep_full = keep_full.sort().values
+        order = torch.cat((keep_key_only, keep_full))
+        n, n_ko, n_full = order.numel(), keep_key_only.numel(), keep_full.numel()
+        rebuilt = self._new_layer(_round_up(n, GROWTH_CHUNK), _round_up(n_full, GROWTH_CHUNK))
+        rebuilt.keys[:, :n] = layer.keys.index_select(1, order)
+        if layer.key_scale is not None:
+            rebuilt.key_scale[:, :n] = layer.key_scale.index_select(1, order)
+        rebuilt.positions[:n] = layer.positions.index_select(0, order)
+        rebuilt.attention[:n] = layer.attention.index_select(0, order)
+        full_slots = keep_full - layer.num_key_only  # FULL entry i has its value at slot i - num_key_only
+        rebuilt.values[:, :n_full] = layer.values.index_select(1, full_slots)
+        if layer.value_scale is not None:
+            rebuilt.value_scale[:, :n_full] = layer.value_scale.index_select(1, full_slots)
+        rebuilt.ko_values = self._key_only_values(layer, keep_key_only) if n_ko else None
+        rebuilt.length, rebuilt.num_key_only = n, n_ko
+        self._seqs[seq_id].layers[layer_idx] = rebuilt
+        freed = before - rebuilt.nbytes
         self.used_bytes -= freed
         return freed
 
@@ -186,25 +295,60 @@ class KVStore:
         return freed
 
     # ----- internals ---------------------------------------------------------------------
-    def _empty_layers(self) -> list[LayerKV]:
-        return [self._new_layer(0) for _ in range(self.num_layers)]
+    def _key_only_values(self, layer: LayerKV, entries: torch.Tensor) -> Quantized:
+        """Quantised values of `entries` (sorted): old KEY_ONLY ones kept, FULL ones quantised now."""
+        old = entries[entries < layer.num_key_only]
+        new = entries[entries >= layer.num_key_only] - layer.num_key_only
+        parts = []
+        if old.numel():
+            ko = layer.ko_values
+            minimum = ko.minimum.index_select(1, old) if ko.minimum is not None else None
+            parts.append(Quantized(ko.codes.index_select(1, old), ko.scale.index_select(1, old), minimum, ko.bits))
+        if new.numel():
+            scale = layer.value_scale.index_select(1, new) if layer.value_scale is not None else None
+            full = self.codec.read(layer.values.index_select(1, new), scale, new.numel())
+            parts.append(quantize(full, self.key_only_bits))
+        if len(parts) == 1:
+            return parts[0]
+        a, b = parts
+        minimum = torch.cat((a.minimum, b.minimum), 1) if a.minimum is not None else None
+        return Quantized(torch.cat((a.codes, b.codes), 1), torch.cat((a.scale, b.scale), 1), minimum, a.bits)
 
-    def _new_layer(self, capacity: int) -> LayerKV:
-        shape = (self.num_kv_heads, capacity, self.head_dim)
+    def _new_layer(self, key_capacity: int, value_capacity: int) -> LayerKV:
+        keys, key_scale = self.codec.empty(self.num_kv_heads, key_capacity, self.device)
+        values, value_scale = self.codec.empty(self.num_kv_heads, value_capacity, self.device)
         return LayerKV(
-            keys=torch.empty(shape, dtype=self.dtype, device=self.device),
-            values=torch.empty(shape, dtype=self.dtype, device=self.device),
-            positions=torch.empty(capacity, dtype=torch.long, device=self.device),
+            keys=keys,
+            key_scale=key_scale,
+            values=values,
+            value_scale=value_scale,
+            positions=torch.empty(key_capacity, dtype=torch.long, device=self.device),
+            attention=torch.zeros(key_capacity, dtype=torch.float32, device=self.device),
         )
 
-    def _resize(self, layer: LayerKV, capacity: int) -> None:
-        grown = self._new_layer(capacity)
-        n = layer.length
+    def _resize(self, layer: LayerKV, key_capacity: int, value_capacity: int) -> None:
+        grown = self._new_layer(max(key_capacity, layer.key_capacity), max(value_capacity, layer.value_capacity))
+        n, nf = layer.length, layer.num_full
         grown.keys[:, :n] = layer.keys[:, :n]
-        grown.values[:, :n] = layer.values[:, :n]
+        grown.values[:, :nf] = layer.values[:, :nf]
+        if layer.key_scale is not None:
+            grown.key_scale[:, :n] = layer.key_scale[:, :n]
+            grown.value_scale[:, :nf] = layer.value_scale[:, :nf]
         grown.positions[:n] = layer.positions[:n]
-        self.used_bytes += grown.nbytes - layer.nbytes
-        layer.keys, layer.values, layer.positions = grown.keys, grown.values, grown.positions
+        grown.attention[:n] = layer.attention[:n]
+        before = layer.nbytes
+        layer.keys, layer.key_scale = grown.keys, grown.key_scale
+        layer.values, layer.value_scale = grown.values, grown.value_scale
+        layer.positions, layer.attention = grown.positions, grown.attention
+        self.used_bytes += layer.nbytes - before
+
+
+def _sizes(capacity: int, need: int) -> tuple[int, int]:
+    """Exact and generous new capacities for a buffer that must hold `need` entries."""
+    if need <= capacity:
+        return capacity, capacity
+    exact = _round_up(need, GROWTH_CHUNK)
+    return exact, max(exact, _round_up(capacity + capacity // 8, GROWTH_CHUNK))
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -12,12 +12,19 @@ from hypothesis import strategies as st
 from compression.kv_store import GROWTH_CHUNK, KVBudgetExceeded, KVStore
 
 
-def make_store(max_bytes: int = 10**7) -> KVStore:
-    return KVStore(num_layers=3, num_kv_heads=2, head_dim=4, max_bytes=max_bytes)
+def make_store(max_bytes: int = 10**7, storage=None) -> KVStore:
+    return KVStore(num_layers=3, num_kv_heads=2, head_dim=4, max_bytes=max_bytes, storage=storage)
 
 
 def held_tensor_bytes(store: KVStore) -> int:
-    return sum(layer.keys.nbytes + layer.values.nbytes for seq in store._seqs.values() for layer in seq.layers)
+    total = 0
+    for seq in store._seqs.values():
+        for layer in seq.layers:
+            tensors = [layer.keys, layer.values, layer.key_scale, layer.value_scale]
+            if layer.ko_values is not None:
+                tensors += [layer.ko_values.codes, layer.ko_values.scale, layer.ko_values.minimum]
+            total += sum(t.nbytes for t in tensors if t is not None)
+    return total
 
 
 def fill(store: KVStore, seq_id: int, n: int, start: int = 0) -> None:
@@ -31,7 +38,8 @@ def test_append_view_roundtrip():
     store = make_store()
     fill(store, 1, 5)
     fill(store, 1, 3, start=5)
-    keys, values = store.view(1, 2)
+    view = store.view(1, 2)
+    keys, values = view.keys, view.values
     assert keys.shape == (2, 8, 4)
     assert torch.equal(keys[0, :, 0], torch.arange(8, dtype=torch.float32))
     assert torch.equal(values, -keys)
@@ -56,9 +64,9 @@ def test_compact_keeps_chosen_entries_and_frees_bytes():
     fill(store, 1, 40)
     before = store.used_bytes
     keep = torch.tensor([0, 1, 2, 39])
-    freed = store.compact(1, 1, keep)
+    freed = store.retier(1, 1, keep_full=keep, keep_key_only=torch.tensor([], dtype=torch.long))
     assert freed > 0 and store.used_bytes == before - freed
-    keys, _ = store.view(1, 1)
+    keys = store.view(1, 1).keys
     assert keys[0, :, 0].tolist() == [0.0, 1.0, 2.0, 39.0]
     assert store.positions(1, 1).tolist() == [0, 1, 2, 39]
     assert store.seq_length(1, 0) == 40  # other layers untouched
@@ -83,7 +91,9 @@ def test_accounting_matches_tensors_and_budget(ops, budget_tokens):
             store.free(seq_id)
         elif seq_id in store and store.seq_length(seq_id, 0):
             length = store.seq_length(seq_id, 0)
-            store.compact(seq_id, 0, torch.arange(0, length, 2))
+            layer = store.layer(seq_id, 0)
+            entries = torch.arange(layer.num_key_only, length)
+            store.retier(seq_id, 0, keep_full=entries[entries % 3 == 0], keep_key_only=entries[entries % 3 == 1])
         assert store.used_bytes == held_tensor_bytes(store)
         assert store.used_bytes <= store.max_bytes
     for seq_id in range(5):
