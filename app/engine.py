@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -18,6 +18,8 @@ from app.model_runner import ModelRunner
 from app.sampler import sample
 from app.scheduler import Scheduler
 from app.sequence import FinishReason, SamplingParams, Sequence
+from compression.config import CompressionConfig, CompressionParams, resolve
+from compression.engine import CompressionEngine, CompressionMetrics
 from compression.kv_store import KVStore
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ class RequestOutput:
     completion_tokens: int
     cached_prompt_tokens: int = 0
     error: str | None = None
+    compression_metrics: dict | None = None
 
 
 @dataclass
@@ -52,13 +55,22 @@ class StepStats:
     num_tokens: int
     num_preempted: int
     finished: list[Sequence]
+    compression_s: float = 0.0
 
 
 class LLMEngine:
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        config: EngineConfig,
+        compression: CompressionConfig | None = None,
+    ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config
+        self.compression_config = compression or CompressionConfig()
+        storage = self.compression_config.kv_cache_dtype
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.store = KVStore(
@@ -68,7 +80,10 @@ class LLMEngine:
             max_bytes=config.max_cache_bytes,
             dtype=model.dtype,
             device=next(model.parameters()).device,
+            storage=None if storage == "auto" else storage if storage == "int8" else getattr(torch, storage),
+            key_only_bits=self.compression_config.key_only_value_bits,
         )
+        self.compression = CompressionEngine(self.store)
         self.runner = ModelRunner(model, self.store)
         self.scheduler = Scheduler(self.store, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = _eos_ids(model, tokenizer)
@@ -78,7 +93,14 @@ class LLMEngine:
         self.last_step: StepStats | None = None
 
     # ----- requests ----------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        compression: CompressionParams | None = None,
+    ) -> Sequence:
+        """Queue a request; `compression` None means the server's defaults, without stats."""
         if not prompt_token_ids:
             raise ValueError("the prompt has no tokens")
         if request_id in self._by_request:
@@ -86,16 +108,21 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params)
         self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, params.stop)
         self._by_request[request_id] = seq
+        self.compression.register(seq.seq_id, compression or self.default_compression(), seq.num_prompt_tokens)
         self.scheduler.add(seq)
         return seq
+
+    def default_compression(self, stats: bool = False) -> CompressionParams:
+        return resolve(self.compression_config, None, server_enabled=True, stats=stats)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request; its memory is returned at once."""
         seq = self._by_request.get(request_id)
         if seq is None:
             return None
+        metrics = self.compression.release(seq.seq_id, seq.num_computed)
         self.scheduler.finish(seq, FinishReason.ABORT)
-        return self._output(seq, [], final=True)
+        return self._output(seq, [], final=True, metrics=metrics)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -112,6 +139,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         sched = self.scheduler.schedule()
+        for seq in sched.preempted:
+            self.compression.preempted(seq.seq_id)
         outputs: list[RequestOutput] = []
         finished: list[Sequence] = []
         for seq in sched.rejected:
@@ -125,23 +154,31 @@ class LLMEngine:
                 f"{self.store.max_bytes}; shorten the prompt or raise max_cache_size",
             )
         if sched.chunks:
+            self.compression.prepare(sched.chunks, sched.sequences)
             try:
-                logits = self.runner.run(sched.chunks)
+                logits = self.runner.run(sched.chunks, observer=self.compression)
             except Exception as exc:  # a failed forward fails only the sequences in it
                 log.exception("forward pass failed for %d sequences", len(sched.sequences))
                 for seq in sched.sequences:
                     self._finish(seq, FinishReason.ERROR, outputs, finished, error=f"model forward failed: {exc}")
-                sched.sequences = []
+                sched.sequences, sched.chunks = [], []
                 logits = None
-            sampled = [seq for seq, chunk in zip(sched.sequences, sched.chunks, strict=False) if chunk.needs_logits]
-            for seq, chunk in zip(sched.sequences, sched.chunks, strict=False):
+            sampled = [seq for seq, chunk in zip(sched.sequences, sched.chunks, strict=True) if chunk.needs_logits]
+            for seq, chunk in zip(sched.sequences, sched.chunks, strict=True):
                 seq.num_computed += len(chunk.token_ids)
+            confidence: dict[int, float] = {}
             if sampled:
                 results = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
-                for seq, result in zip(sampled, results, strict=False):
+                for seq, result in zip(sampled, results, strict=True):
+                    confidence[seq.seq_id] = result.top_prob
                     self._append_token(seq, result, outputs, finished)
+            running = [seq for seq in sched.sequences if not seq.is_finished]
+            compression_s = self.compression.after_step(running, confidence)
+        else:
+            compression_s = 0.0
         self.last_step = StepStats(
-            time.perf_counter() - started, len(sched.chunks), sched.num_tokens, sched.num_preempted, finished
+            time.perf_counter() - started, len(sched.chunks), sched.num_tokens, len(sched.preempted), finished,
+            compression_s,
         )
         return outputs
 
@@ -183,11 +220,14 @@ class LLMEngine:
         error: str | None = None,
         new_tokens: list[int] | None = None,
     ) -> None:
+        metrics = self.compression.release(seq.seq_id, seq.num_computed)
         self.scheduler.finish(seq, reason, error)
-        outputs.append(self._output(seq, new_tokens or [], final=True))
+        outputs.append(self._output(seq, new_tokens or [], final=True, metrics=metrics))
         finished.append(seq)
 
-    def _output(self, seq: Sequence, new_tokens: list[int], final: bool) -> RequestOutput:
+    def _output(
+        self, seq: Sequence, new_tokens: list[int], final: bool, metrics: CompressionMetrics | None = None
+    ) -> RequestOutput:
         detok = self._detok[seq.seq_id]
         out = RequestOutput(
             request_id=seq.request_id,
@@ -198,6 +238,7 @@ class LLMEngine:
             prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=len(seq.output_token_ids),
             error=seq.error,
+            compression_metrics=asdict(metrics) if metrics is not None else None,
         )
         if final:
             del self._detok[seq.seq_id]

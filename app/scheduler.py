@@ -22,7 +22,7 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     sequences: list[Sequence] = field(default_factory=list)  # same order as chunks
     rejected: list[Sequence] = field(default_factory=list)  # can never fit the budget
-    num_preempted: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -57,7 +57,7 @@ class Scheduler:
                 self._emit(seq, n, out)
                 budget -= n
         # Then admit waiting sequences while their prompts fit.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             need = self.store.bytes_for(seq.num_uncomputed)
             if need > self.store.max_bytes:
@@ -105,7 +105,7 @@ class Scheduler:
                     out.rejected.append(seq)  # alone and still too big: it can never finish
                     return False
                 self._preempt(victim)
-                out.num_preempted += 1
+                out.preempted.append(victim)
                 if victim is seq:
                     return False
 

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from app.engine import EngineConfig, LLMEngine, RequestOutput
 from app.sequence import SamplingParams
+from compression.config import CompressionConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,8 +58,11 @@ def tiny_model(family: str, vocab_size: int, eos_token_id: int, seed: int = 0) -
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
-def make_engine(model, tokenizer, max_cache_bytes: int = 2**30, **kwargs) -> LLMEngine:
-    return LLMEngine(model, tokenizer, EngineConfig(max_cache_bytes=max_cache_bytes, **kwargs))
+def make_engine(model, tokenizer, max_cache_bytes: int = 2**30, compression: dict | None = None,
+                **kwargs) -> LLMEngine:
+    """An engine; without `compression` settings it does not compress (policy none)."""
+    config = CompressionConfig(**(compression or {"policy": "none"}))
+    return LLMEngine(model, tokenizer, EngineConfig(max_cache_bytes=max_cache_bytes, **kwargs), config)
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:

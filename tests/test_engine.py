@@ -90,11 +90,11 @@ def test_failed_forward_fails_its_batch_and_the_engine_goes_on(model, tokenizer)
     run = engine.runner.run
     calls = {"n": 0}
 
-    def flaky(chunks):
+    def flaky(chunks, **kwargs):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected fault")
-        return run(chunks)
+        return run(chunks, **kwargs)
 
     engine.runner.run = flaky
     first, later = prompts(tokenizer, [10, 10])

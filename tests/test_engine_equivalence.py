@@ -18,8 +18,8 @@ def run_staggered(engine, prompts: list[list[int]], max_tokens: int, arrivals: l
     logits_by_seq: dict[int, list[torch.Tensor]] = defaultdict(list)
     run = engine.runner.run
 
-    def capturing_run(chunks):
-        logits = run(chunks)
+    def capturing_run(chunks, **kwargs):
+        logits = run(chunks, **kwargs)
         for chunk, row in zip([c for c in chunks if c.needs_logits], logits, strict=False):
             logits_by_seq[chunk.seq_id].append(row.clone())
         return logits

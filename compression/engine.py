@@ -1,0 +1,205 @@
+"""The compression engine: between decode steps it scores, tiers and compacts running sequences.
+
+It plugs into the serving engine at three points: `prepare()` marks which sequences need their
+attention observed in the coming forward pass (end of prefill, then every `score_interval` decode
+steps) or audited (requests that asked for `compression_metrics`); as the `AttentionObserver` it
+receives those observations; `after_step()` compresses the sequences that are due (once at the
+end of prefill, then every `compression_interval` decode steps).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from compression.config import CompressionParams
+from compression.kv_store import GROWTH_CHUNK, KVStore
+from compression.policy import plan_tiers
+from compression.scoring import LayerEntries, ScorePolicy, make_policy
+
+
+@dataclass
+class CompressionMetrics:
+    """Per-request figures, as ARCHITECTURE.md defines them."""
+
+    original_size: int
+    compressed_size: int
+    compression_ratio: float
+    hit_rate: float
+    recall_rate: float
+    entries: dict[str, int]
+    policy: str
+    compression_time_ms: float
+
+
+@dataclass
+class SequenceState:
+    params: CompressionParams
+    policy: ScorePolicy
+    prompt_len: int
+    prefilled: bool = False
+    steps_since_compression: int = 0
+    decode_steps: int = 0
+    seconds: float = 0.0
+    recall_sum: float = 0.0
+    recall_count: int = 0
+    audit: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> dropped keys
+    confidences: list[float] = field(default_factory=list)  # top-token probability of each generated token
+
+    def reset_cache_state(self) -> None:
+        """After preemption the cache is rebuilt from scratch."""
+        self.prefilled = False
+        self.steps_since_compression = 0
+        self.audit.clear()
+
+
+class CompressionEngine:
+    def __init__(self, store: KVStore) -> None:
+        self.store = store
+        self.states: dict[int, SequenceState] = {}
+        self.audit_bytes = 0
+
+    # ----- lifecycle ---------------------------------------------------------------------
+    def register(self, seq_id: int, params: CompressionParams, prompt_len: int) -> None:
+        policy = make_policy(params.policy if params.active else "h2o", params.attention_decay)
+        self.states[seq_id] = SequenceState(params, policy, prompt_len)
+
+    def preempted(self, seq_id: int) -> None:
+        state = self.states.get(seq_id)
+        if state is not None:
+            self.audit_bytes -= sum(k.nbytes for k in state.audit.values())
+            state.reset_cache_state()
+
+    def release(self, seq_id: int, num_tokens: int) -> CompressionMetrics | None:
+        """Forget a finishing sequence (call before its cache is freed); return its metrics."""
+        state = self.states.pop(seq_id, None)
+        if state is None:
+            return None
+        self.audit_bytes -= sum(k.nbytes for k in state.audit.values())
+        original = num_tokens * self.store.model_token_bytes
+        compressed = self.store.seq_bytes(seq_id)
+        full = key_only = 0
+        if seq_id in self.store:
+            for layer in range(self.store.num_layers):
+                kv = self.store.layer(seq_id, layer)
+                full += kv.num_full
+                key_only += kv.num_key_only
+        held_tokens = full + key_only
+        return CompressionMetrics(
+            original_size=original,
+            compressed_size=compressed,
+            compression_ratio=compressed / original if original else 1.0,
+            hit_rate=0.0,
+            recall_rate=state.recall_sum / state.recall_count if state.recall_count else 1.0,
+            entries={"full": full, "key_only": key_only,
+                     "dropped": max(0, num_tokens * self.store.num_layers - held_tokens)},
+            policy=state.params.policy if state.params.active else "none",
+            compression_time_ms=1000.0 * state.seconds,
+        )
+
+    # ----- around the forward pass ---------------------------------------------------------
+    def prepare(self, chunks, sequences) -> None:
+        """Mark chunks whose attention must be observed or audited in this step."""
+        for chunk, seq in zip(chunks, sequences):
+            state = self.states.get(chunk.seq_id)
+            if state is None or not state.params.active:
+                continue
+            decode = state.prefilled and len(chunk.token_ids) == 1
+            if not state.prefilled and chunk.needs_logits:
+                if state.policy.uses_attention:
+                    chunk.observe = min(state.params.observation_window, len(chunk.token_ids))
+            elif decode and state.policy.uses_attention and state.decode_steps % state.params.score_interval == 0:
+                chunk.observe = 1
+            chunk.audit = decode and state.params.stats
+
+    def on_attention(self, seq_id: int, layer: int, mass: torch.Tensor) -> None:
+        kv = self.store.layer(seq_id, layer)
+        held = kv.attention[: kv.length]
+        held.copy_(self.states[seq_id].policy.accumulate(held, mass))
+
+    def audit_keys(self, seq_id: int, layer: int) -> torch.Tensor | None:
+        return self.states[seq_id].audit.get(layer)
+
+    def on_recall(self, seq_id: int, recall: torch.Tensor) -> None:
+        state = self.states[seq_id]
+        state.recall_sum += float(recall.sum())
+        state.recall_count += recall.numel()
+
+    def after_step(self, sequences, sampled_confidence: dict[int, float]) -> float:
+        """Compress every due sequence; return the seconds spent."""
+        spent = 0.0
+        for seq in sequences:
+            state = self.states.get(seq.seq_id)
+            if state is None or not state.params.active or seq.seq_id not in self.store:
+                continue
+            if seq.seq_id in sampled_confidence:
+                state.confidences.append(sampled_confidence[seq.seq_id])
+            if seq.num_computed < len(seq.token_ids) - 1:
+                continue  # still prefilling
+            if not state.prefilled:
+                state.prefilled = True
+                due = True
+            else:
+                state.decode_steps += 1
+                state.steps_since_compression += 1
+                due = state.steps_since_compression >= state.params.compression_interval
+            if due:
+                started = time.perf_counter()
+                self.compress(seq.seq_id, seq.num_computed, state)
+                state.steps_since_compression = 0
+                elapsed = time.perf_counter() - started
+                state.seconds += elapsed
+                spent += elapsed
+        return spent
+
+    # ----- the compression itself ---------------------------------------------------------
+    def target_rate(self, state: SequenceState) -> float:
+        """The rate to apply now: the request's, raised while the model is confident (dynamic only)."""
+        params = state.params
+        rate = params.compression_rate
+        if params.policy != "dynamic" or not state.confidences:
+            return rate
+        recent = state.confidences[-params.compression_interval :]
+        confident = min(1.0, max(0.0, (sum(recent) / len(recent) - 0.5) / 0.5))
+        return rate + params.confident_extra_rate * (1.0 - rate) * confident
+
+    def compress(self, seq_id: int, num_tokens: int, state: SequenceState) -> None:
+        params = state.params
+        store = self.store
+        rate = self.target_rate(state)
+        per_token = store.model_token_bytes / store.num_layers
+        # Buffers are sized in chunks: leave room for that rounding so the held bytes meet the target.
+        budget = (1.0 - rate) * num_tokens * per_token - GROWTH_CHUNK * store.token_bytes_per_layer
+        full_bytes, key_only_bytes = store.token_bytes_per_layer, store.key_only_token_bytes_per_layer
+        confidence = self._token_confidence(state, num_tokens)
+        for layer in range(store.num_layers):
+            kv = store.layer(seq_id, layer)
+            n = kv.length
+            positions = kv.positions[:n]
+            protected = (positions < params.sink_tokens) | (positions > num_tokens - 1 - params.recent_window)
+            entries = LayerEntries(
+                keys=store.view(seq_id, layer).keys,  # a view, no copy, at float storage
+                positions=positions, attention=kv.attention[:n], token_confidence=confidence[positions],
+                position=num_tokens - 1, layer=layer, seed=params.seed,
+            )
+            plan = plan_tiers(state.policy.score(entries), protected, kv.num_key_only, budget, full_bytes,
+                              key_only_bytes, params.high, params.medium, state.policy.uses_tiers)
+            if plan.dropped.numel() == 0 and plan.keep_key_only.numel() == kv.num_key_only:
+                continue
+            if params.stats and plan.dropped.numel():
+                self._audit(state, layer, store.view(seq_id, layer).keys.index_select(1, plan.dropped))
+            store.retier(seq_id, layer, plan.keep_full, plan.keep_key_only)
+
+    def _token_confidence(self, state: SequenceState, num_tokens: int) -> torch.Tensor:
+        confidence = torch.ones(num_tokens + 1, device=self.store.device)
+        generated = state.confidences[: max(0, num_tokens + 1 - state.prompt_len)]
+        if generated:
+            confidence[state.prompt_len : state.prompt_len + len(generated)] = torch.tensor(generated)
+        return confidence
+
+    def _audit(self, state: SequenceState, layer: int, dropped: torch.Tensor) -> None:
+        previous = state.audit.get(layer)
+        state.audit[layer] = dropped.clone() if previous is None else torch.cat((previous, dropped), dim=1)
+        self.audit_bytes += dropped.nbytes
