@@ -36,8 +36,16 @@ def build_engine(settings: Settings) -> LLMEngine:
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
     )
-    log.info("KV cache budget %.1f MiB", config.max_cache_bytes / 2**20)
-    return LLMEngine(model, tokenizer, config)
+    compression = settings.compression()
+    log.info(
+        "KV cache budget %.1f MiB; compression %s (policy %s, rate %.2f, storage %s)",
+        config.max_cache_bytes / 2**20,
+        "on" if settings.compression_enabled else "off",
+        compression.policy,
+        compression.compression_rate,
+        compression.kv_cache_dtype,
+    )
+    return LLMEngine(model, tokenizer, config, compression)
 
 
 def create_app(settings: Settings) -> FastAPI:

@@ -20,6 +20,7 @@ import torch
 
 from app.engine import LLMEngine, RequestOutput, StepStats
 from app.sequence import SamplingParams
+from compression.config import CompressionParams
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    compression: CompressionParams | None
     loop: asyncio.AbstractEventLoop
     stream: asyncio.Queue
 
@@ -74,7 +76,11 @@ class AsyncEngine:
 
     # ----- requests ----------------------------------------------------------------------
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        compression: CompressionParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if not self.is_running:
             raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
@@ -82,7 +88,7 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self._streams[request_id] = (loop, stream)
-        self._inbox.put(_Add(request_id, prompt_token_ids, params, loop, stream))
+        self._inbox.put(_Add(request_id, prompt_token_ids, params, compression, loop, stream))
         finished = False
         try:
             while not finished:
@@ -131,7 +137,7 @@ class AsyncEngine:
 
     def _add(self, cmd: _Add) -> None:
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.compression)
         except Exception as exc:  # a bad request fails alone
             self._streams.pop(cmd.request_id, None)
             _send(cmd.loop, cmd.stream, exc)

@@ -154,7 +154,7 @@ class LLMEngine:
                 f"{self.store.max_bytes}; shorten the prompt or raise max_cache_size",
             )
         if sched.chunks:
-            self.compression.prepare(sched.chunks, sched.sequences)
+            self.compression.prepare(sched.chunks)
             try:
                 logits = self.runner.run(sched.chunks, observer=self.compression)
             except Exception as exc:  # a failed forward fails only the sequences in it
@@ -177,7 +177,11 @@ class LLMEngine:
         else:
             compression_s = 0.0
         self.last_step = StepStats(
-            time.perf_counter() - started, len(sched.chunks), sched.num_tokens, len(sched.preempted), finished,
+            time.perf_counter() - started,
+            len(sched.chunks),
+            sched.num_tokens,
+            len(sched.preempted),
+            finished,
             compression_s,
         )
         return outputs

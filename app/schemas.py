@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-POLICIES = ("dynamic", "none", "streaming_llm", "h2o", "snapkv", "tova", "knorm", "random")
+from compression.config import Policy, Thresholds
 
 
 class _Strict(BaseModel):
@@ -18,24 +18,11 @@ class ChatMessage(_Strict):
     content: str
 
 
-class Thresholds(_Strict):
-    """Retention confidence thresholds: >= high stays FULL, >= medium KEY_ONLY, below is dropped."""
-
-    high: float = Field(0.9, ge=0.0, le=1.0)
-    medium: float = Field(0.7, ge=0.0, le=1.0)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> Thresholds:
-        if self.medium > self.high:
-            raise ValueError("thresholds.medium must not exceed thresholds.high")
-        return self
-
-
 class CompressionOptions(_Strict):
     """Per-request compression settings; anything left out comes from the server's config."""
 
     enabled: bool | None = None
-    policy: Literal[POLICIES] | None = None  # type: ignore[valid-type]
+    policy: Policy | None = None
     compression_rate: float | None = Field(None, ge=0.0, lt=1.0, description="share of KV bytes to remove")
     thresholds: Thresholds | None = None
     prediction_window: int | None = Field(None, ge=1, le=8192)
@@ -64,6 +51,21 @@ class GenerateRequest(_Strict):
         return self
 
 
+class CompressionMetricsModel(BaseModel):
+    """Returned when `compression_stats` is true; sizes are bytes."""
+
+    original_size: int = Field(description="bytes this request's KV would hold uncompressed, at the end")
+    compressed_size: int = Field(description="bytes it actually holds at the end")
+    compression_ratio: float = Field(description="compressed_size / original_size")
+    hit_rate: float = Field(description="share of prompt tokens whose KV came from the prefix cache")
+    recall_rate: float = Field(
+        description="share of attention mass, over decode steps, layers and heads, on held entries"
+    )
+    entries: dict[str, int] = Field(description="(layer, token) entries held FULL, KEY_ONLY, and dropped")
+    policy: str
+    compression_time_ms: float
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -75,7 +77,7 @@ class GenerateResponse(BaseModel):
     text: str
     finish_reason: str | None
     usage: Usage
-    compression_metrics: dict | None = None
+    compression_metrics: CompressionMetricsModel | None = None
 
 
 class StreamChunk(BaseModel):
@@ -85,7 +87,7 @@ class StreamChunk(BaseModel):
     text: str
     finish_reason: str | None = None
     usage: Usage | None = None
-    compression_metrics: dict | None = None
+    compression_metrics: CompressionMetricsModel | None = None
     error: str | None = None
 
 

@@ -14,9 +14,10 @@ from transformers import PreTrainedTokenizerBase
 from app.async_engine import AsyncEngine
 from app.engine import RequestOutput
 from app.metrics import Metrics
-from app.schemas import GenerateRequest, GenerateResponse, StreamChunk, Usage
+from app.schemas import CompressionMetricsModel, GenerateRequest, GenerateResponse, StreamChunk, Usage
 from app.sequence import SamplingParams
 from app.settings import Settings
+from compression.config import CompressionParams, resolve
 
 
 class APIError(Exception):
@@ -32,7 +33,13 @@ class PreparedRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    compression: CompressionParams
     arrival: float
+
+    def metrics_of(self, out: RequestOutput) -> CompressionMetricsModel | None:
+        if not self.compression.stats or out.compression_metrics is None:
+            return None
+        return CompressionMetricsModel(**out.compression_metrics)
 
 
 class GenerateService:
@@ -44,6 +51,7 @@ class GenerateService:
         self.settings = settings
         self.metrics = metrics
         self.max_model_len = engine.engine.max_model_len
+        self.compression_config = engine.engine.compression_config
 
     def prepare(self, req: GenerateRequest) -> PreparedRequest:
         arrival = time.monotonic()
@@ -60,14 +68,22 @@ class GenerateService:
                 f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the model's context of "
                 f"{self.max_model_len} tokens; shorten the prompt or lower max_tokens",
             )
+        compression = resolve(
+            self.compression_config,
+            req.compression.model_dump(exclude_unset=True) if req.compression else None,
+            server_enabled=self.settings.compression_enabled,
+            stats=req.compression_stats,
+        )
+        # Without compression the whole request must fit the budget; with it, the prompt must.
         store = self.engine.engine.store
-        if store.bytes_for(len(ids) + max_tokens) > store.max_bytes:
+        need = len(ids) if compression.active else len(ids) + max_tokens
+        if store.bytes_for(need) > store.max_bytes:
             self._refuse(413)
             raise APIError(
                 413,
                 "kv_cache_exceeded",
-                f"prompt plus max_tokens ({len(ids) + max_tokens} tokens) needs more KV cache than max_cache_size "
-                f"({store.max_bytes} bytes) allows; lower max_tokens or raise --max-cache-size",
+                f"{need} tokens of this request need more KV cache than max_cache_size "
+                f"({store.max_bytes} bytes) allows; shorten the prompt, lower max_tokens or raise --max-cache-size",
             )
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -77,7 +93,7 @@ class GenerateService:
             seed=req.seed,
             stop=tuple(req.stop),
         )
-        return PreparedRequest(f"gen-{uuid.uuid4().hex}", ids, params, arrival)
+        return PreparedRequest(f"gen-{uuid.uuid4().hex}", ids, params, compression, arrival)
 
     async def generate(self, prepared: PreparedRequest, http_request: Request) -> GenerateResponse:
         """Run to the end; abort if the client goes away first."""
@@ -101,6 +117,7 @@ class GenerateService:
                     text=out.delta_text,
                     finish_reason=out.finish_reason,
                     usage=_usage(out),
+                    compression_metrics=prepared.metrics_of(out),
                     error=out.error,
                 )
             elif out.delta_text:
@@ -117,14 +134,20 @@ class GenerateService:
         if out.error is not None:
             raise APIError(500, "engine_error", f"the request failed inside the engine: {out.error}")
         return GenerateResponse(
-            id=prepared.request_id, text="".join(parts), finish_reason=out.finish_reason, usage=_usage(out)
+            id=prepared.request_id,
+            text="".join(parts),
+            finish_reason=out.finish_reason,
+            usage=_usage(out),
+            compression_metrics=prepared.metrics_of(out),
         )
 
     async def _outputs(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
         first: float | None = None
         last: RequestOutput | None = None
         try:
-            async for out in self.engine.generate(prepared.prompt_token_ids, prepared.params, prepared.request_id):
+            async for out in self.engine.generate(
+                prepared.prompt_token_ids, prepared.params, prepared.request_id, prepared.compression
+            ):
                 if first is None and out.completion_tokens:
                     first = time.monotonic()
                 last = out

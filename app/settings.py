@@ -11,6 +11,9 @@ import torch
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 
+from compression.config import DEFAULT_FILE as DEFAULT_COMPRESSION_FILE
+from compression.config import CompressionConfig
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
@@ -28,8 +31,13 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 for all interfaces)")
     port: int = Field(8080, ge=1, le=65535)
     compression_enabled: bool = Field(True, description="compress the KV cache while generating")
-    max_cache_size: str = Field(
-        "80%", description="KV cache budget: MB (4096), with a unit (2GiB) or a share of device memory (80%)"
+    compression_config: Path | None = Field(
+        None, description="compression policy file (JSON); default: the shipped config/compression.json"
+    )
+    max_cache_size: str | None = Field(
+        None,
+        description="KV cache budget: MB (4096), with a unit (2GiB) or a share of device memory (80%); "
+        "default: max_cache_size of the compression policy file",
     )
     max_num_seqs: int = Field(32, ge=1, description="most sequences running at once")
     max_num_batched_tokens: int = Field(512, ge=1, description="most tokens in one forward pass (chunked prefill)")
@@ -44,8 +52,9 @@ class Settings(BaseSettings):
 
     @field_validator("max_cache_size")
     @classmethod
-    def _check_cache_size(cls, value: str) -> str:
-        parse_size(value, total_bytes=1)  # raises on a malformed size
+    def _check_cache_size(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_size(value, total_bytes=1)  # raises on a malformed size
         return value
 
     @classmethod
@@ -72,13 +81,16 @@ class Settings(BaseSettings):
             return getattr(torch, self.dtype)
         return model_dtype if self.resolved_device().type == "cuda" else torch.float32
 
+    def compression(self) -> CompressionConfig:
+        return CompressionConfig.load(self.compression_config or DEFAULT_COMPRESSION_FILE)
+
     def max_cache_bytes(self) -> int:
         device = self.resolved_device()
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
         else:
             total = psutil.virtual_memory().total
-        return parse_size(self.max_cache_size, total)
+        return parse_size(self.max_cache_size or self.compression().max_cache_size, total)
 
 
 _UNITS = {"": 2**20, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

@@ -49,7 +49,9 @@ class CompressionConfig(BaseModel):
     key_only_value_bits: Literal[4, 8] = 4
     attention_decay: float = Field(0.95, gt=0.0, le=1.0, description="per-observation decay of dynamic scores")
     confident_extra_rate: float = Field(
-        0.25, ge=0.0, le=1.0,
+        0.25,
+        ge=0.0,
+        le=1.0,
         description="share of the remaining bytes the dynamic budget also removes while the model is confident",
     )
     seed: int = 0

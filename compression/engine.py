@@ -93,16 +93,19 @@ class CompressionEngine:
             compression_ratio=compressed / original if original else 1.0,
             hit_rate=0.0,
             recall_rate=state.recall_sum / state.recall_count if state.recall_count else 1.0,
-            entries={"full": full, "key_only": key_only,
-                     "dropped": max(0, num_tokens * self.store.num_layers - held_tokens)},
+            entries={
+                "full": full,
+                "key_only": key_only,
+                "dropped": max(0, num_tokens * self.store.num_layers - held_tokens),
+            },
             policy=state.params.policy if state.params.active else "none",
             compression_time_ms=1000.0 * state.seconds,
         )
 
     # ----- around the forward pass ---------------------------------------------------------
-    def prepare(self, chunks, sequences) -> None:
-        """Mark chunks whose attention must be observed or audited in this step."""
-        for chunk, seq in zip(chunks, sequences):
+    def prepare(self, chunks: list) -> None:
+        """Mark chunks (`ScheduledChunk`s) whose attention must be observed or audited in this step."""
+        for chunk in chunks:
             state = self.states.get(chunk.seq_id)
             if state is None or not state.params.active:
                 continue
@@ -181,11 +184,24 @@ class CompressionEngine:
             protected = (positions < params.sink_tokens) | (positions > num_tokens - 1 - params.recent_window)
             entries = LayerEntries(
                 keys=store.view(seq_id, layer).keys,  # a view, no copy, at float storage
-                positions=positions, attention=kv.attention[:n], token_confidence=confidence[positions],
-                position=num_tokens - 1, layer=layer, seed=params.seed,
+                positions=positions,
+                attention=kv.attention[:n],
+                token_confidence=confidence[positions],
+                position=num_tokens - 1,
+                layer=layer,
+                seed=params.seed,
             )
-            plan = plan_tiers(state.policy.score(entries), protected, kv.num_key_only, budget, full_bytes,
-                              key_only_bytes, params.high, params.medium, state.policy.uses_tiers)
+            plan = plan_tiers(
+                state.policy.score(entries),
+                protected,
+                kv.num_key_only,
+                budget,
+                full_bytes,
+                key_only_bytes,
+                params.high,
+                params.medium,
+                state.policy.uses_tiers,
+            )
             if plan.dropped.numel() == 0 and plan.keep_key_only.numel() == kv.num_key_only:
                 continue
             if params.stats and plan.dropped.numel():

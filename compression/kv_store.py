@@ -81,6 +81,7 @@ class LayerKV:
     ko_values: Quantized | None = None
     length: int = 0
     num_key_only: int = 0
+    compacted: bool = False  # once compression manages a layer, it grows in exact chunks
 
     @property
     def key_capacity(self) -> int:
@@ -207,7 +208,14 @@ class KVStore:
         for layer in seq.layers:
             k_need, v_need = layer.length + num_new, layer.num_full + num_new
             if k_need > layer.key_capacity or v_need > layer.value_capacity:
-                growth.append((layer, *_sizes(layer.key_capacity, k_need), *_sizes(layer.value_capacity, v_need)))
+                generous = not layer.compacted
+                growth.append(
+                    (
+                        layer,
+                        *_sizes(layer.key_capacity, k_need, generous),
+                        *_sizes(layer.value_capacity, v_need, generous),
+                    )
+                )
         needed = sum(
             ((ke - layer.key_capacity) + (ve - layer.value_capacity)) * vector for layer, ke, _, ve, _ in growth
         )
@@ -279,7 +287,7 @@ class KVStore:
         if layer.value_scale is not None:
             rebuilt.value_scale[:, :n_full] = layer.value_scale.index_select(1, full_slots)
         rebuilt.ko_values = self._key_only_values(layer, keep_key_only) if n_ko else None
-        rebuilt.length, rebuilt.num_key_only = n, n_ko
+        rebuilt.length, rebuilt.num_key_only, rebuilt.compacted = n, n_ko, True
         self._seqs[seq_id].layers[layer_idx] = rebuilt
         freed = before - rebuilt.nbytes
         self.used_bytes -= freed
@@ -343,11 +351,13 @@ class KVStore:
         self.used_bytes += layer.nbytes - before
 
 
-def _sizes(capacity: int, need: int) -> tuple[int, int]:
+def _sizes(capacity: int, need: int, generous: bool) -> tuple[int, int]:
     """Exact and generous new capacities for a buffer that must hold `need` entries."""
     if need <= capacity:
         return capacity, capacity
     exact = _round_up(need, GROWTH_CHUNK)
+    if not generous:
+        return exact, exact
     return exact, max(exact, _round_up(capacity + capacity // 8, GROWTH_CHUNK))
 
 

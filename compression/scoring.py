@@ -142,8 +142,14 @@ def _pool(x: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
 
 
 def make_policy(name: str, attention_decay: float = 0.95) -> ScorePolicy:
-    policies = {"streaming_llm": StreamingLLM, "h2o": H2O, "tova": TOVA, "snapkv": SnapKV, "knorm": KNorm,
-                "random": Random}
+    policies = {
+        "streaming_llm": StreamingLLM,
+        "h2o": H2O,
+        "tova": TOVA,
+        "snapkv": SnapKV,
+        "knorm": KNorm,
+        "random": Random,
+    }
     if name == "dynamic":
         return Dynamic(decay=attention_decay)
     if name not in policies:

@@ -58,8 +58,7 @@ def tiny_model(family: str, vocab_size: int, eos_token_id: int, seed: int = 0) -
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
-def make_engine(model, tokenizer, max_cache_bytes: int = 2**30, compression: dict | None = None,
-                **kwargs) -> LLMEngine:
+def make_engine(model, tokenizer, max_cache_bytes: int = 2**30, compression: dict | None = None, **kwargs) -> LLMEngine:
     """An engine; without `compression` settings it does not compress (policy none)."""
     config = CompressionConfig(**(compression or {"policy": "none"}))
     return LLMEngine(model, tokenizer, EngineConfig(max_cache_bytes=max_cache_bytes, **kwargs), config)
