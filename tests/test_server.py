@@ -203,3 +203,52 @@ def test_metrics_count_requests_and_tokens(server):
         refused = 0.0
     assert post(server, {"prompt": ""}).status_code == 422
     assert server.metric("requests_total", '{status="422"}') == refused + 1
+
+
+LONG_PROMPT = " ".join(f"Item {i} is stored in box {i * 7 % 13}." for i in range(120))
+
+
+def test_compression_stats_report_metrics(server):
+    body = {
+        "prompt": LONG_PROMPT,
+        "max_tokens": 20,
+        "temperature": 0,
+        "compression_stats": True,
+        "compression": {"policy": "dynamic", "compression_rate": 0.6},
+    }
+    metrics = post(server, body).json()["compression_metrics"]
+    assert set(metrics) == {
+        "original_size",
+        "compressed_size",
+        "compression_ratio",
+        "hit_rate",
+        "recall_rate",
+        "entries",
+        "policy",
+        "compression_time_ms",
+    }
+    assert metrics["policy"] == "dynamic"
+    assert metrics["compression_ratio"] == pytest.approx(metrics["compressed_size"] / metrics["original_size"])
+    assert metrics["compression_ratio"] <= 0.45
+    assert 0.0 < metrics["recall_rate"] <= 1.0
+    assert metrics["entries"]["dropped"] > 0
+    assert "compression_metrics" not in post(server, {**body, "compression_stats": False}).json()
+    events = stream_events(server, body)
+    assert events[-1]["compression_metrics"]["policy"] == "dynamic"
+
+
+def test_compression_can_be_turned_off_server_wide(default_path):
+    srv = LiveServer("--model-path", str(default_path), "--max-cache-size", "256", "--compression-enabled", "false")
+    try:
+        body = {
+            "prompt": LONG_PROMPT,
+            "max_tokens": 8,
+            "temperature": 0,
+            "compression_stats": True,
+            "compression": {"policy": "h2o", "compression_rate": 0.8},
+        }
+        metrics = post(srv, body).json()["compression_metrics"]
+        assert metrics["policy"] == "none" and metrics["entries"]["dropped"] == 0
+        assert metrics["compression_ratio"] >= 1.0
+    finally:
+        srv.stop()

@@ -1,0 +1,201 @@
+"""The compression engine on real runs: budgets, tiers, protection, recall, mixed batches."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from app.engine import run_to_completion
+from compression.config import POLICIES, CompressionConfig, resolve
+from compression.kv_store import GROWTH_CHUNK, KVStore
+from compression.policy import plan_tiers
+from compression.quant import dequantize, quantize
+from tests.helpers import greedy, make_engine, tiny_model, tokens_of
+
+EVICTING = [p for p in POLICIES if p != "none"]
+SETTINGS = {"sink_tokens": 4, "recent_window": 16, "compression_interval": 8, "score_interval": 2}
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+
+
+def prompt(tokenizer, n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, len(tokenizer)) for _ in range(n)]
+
+
+def run_one(engine, ids, policy, rate, max_tokens=24, stats=True, **overrides):
+    params = resolve(engine.compression_config, {"policy": policy, "compression_rate": rate, **overrides}, True, stats)
+    engine.add_request("r", ids, greedy(max_tokens, ignore_eos=True), params)
+    return run_to_completion(engine)["r"]
+
+
+def slack_bytes(engine, interval: int) -> int:
+    """One compression interval of FULL tokens, plus the chunk rounding of two buffers per layer."""
+    return (interval + 2 * GROWTH_CHUNK) * engine.store.token_bytes
+
+
+@pytest.mark.parametrize("policy", EVICTING)
+@pytest.mark.parametrize("rate", [0.6, 0.75])
+def test_every_policy_respects_the_compression_rate(model, tokenizer, policy, rate):
+    engine = make_engine(model, tokenizer, compression=SETTINGS)
+    sizes = []  # held and uncompressed bytes right after each compression
+
+    def check_after_compress(seq_id, num_tokens, state, _compress=engine.compression.compress):
+        _compress(seq_id, num_tokens, state)
+        sizes.append((engine.store.seq_bytes(seq_id), num_tokens * engine.store.model_token_bytes))
+
+    engine.compression.compress = check_after_compress
+    out = run_one(engine, prompt(tokenizer, 400), policy, rate, max_tokens=40)
+    metrics = out[-1].compression_metrics
+    assert sizes, "the engine never compressed"
+    for held, uncompressed in sizes:
+        assert held <= (1 - rate) * uncompressed + 2 * GROWTH_CHUNK * engine.store.token_bytes
+    assert metrics["compressed_size"] <= (1 - rate) * metrics["original_size"] + slack_bytes(engine, 8)
+    assert metrics["entries"]["dropped"] > 0
+    assert metrics["policy"] == policy
+    assert engine.store.used_bytes == 0
+
+
+def test_protected_entries_are_never_dropped(model, tokenizer):
+    engine = make_engine(model, tokenizer, compression=SETTINGS)
+    ids = prompt(tokenizer, 300)
+    params = resolve(engine.compression_config, {"policy": "random", "compression_rate": 0.9}, True, False)
+    engine.add_request("r", ids, greedy(30, ignore_eos=True), params)
+    checked = 0
+    while engine.has_unfinished():
+        engine.step()
+        seq = engine.scheduler.running[0] if engine.scheduler.running else None
+        if seq is None or seq.num_computed < len(ids):
+            continue
+        for layer in range(engine.store.num_layers):
+            held = set(engine.store.positions(seq.seq_id, layer).tolist())
+            assert set(range(4)) <= held
+            assert set(range(seq.num_computed - 16, seq.num_computed)) <= held
+        checked += 1
+    assert checked > 10
+
+
+def test_policy_none_is_token_identical_to_uncompressed(model, tokenizer):
+    ids = prompt(tokenizer, 300, seed=3)
+    plain = make_engine(model, tokenizer)  # compression off entirely
+    want = tokens_of(run_one(plain, ids, "none", 0.6, stats=False))
+    engine = make_engine(model, tokenizer, compression={**SETTINGS, "policy": "dynamic"})
+    out = run_one(engine, ids, "none", 0.6)
+    assert tokens_of(out) == want
+    metrics = out[-1].compression_metrics
+    assert metrics["recall_rate"] == 1.0 and metrics["entries"]["dropped"] == 0
+
+
+def test_recall_is_one_without_drops_and_lower_when_attended_entries_go(model, tokenizer):
+    ids = prompt(tokenizer, 400, seed=5)
+    engine = make_engine(model, tokenizer, compression=SETTINGS)
+    kept_all = run_one(engine, ids, "dynamic", 0.0)[-1].compression_metrics
+    assert kept_all["entries"]["dropped"] == 0 and kept_all["recall_rate"] == 1.0
+    squeezed = run_one(engine, ids, "streaming_llm", 0.9)[-1].compression_metrics
+    assert squeezed["entries"]["dropped"] > 0
+    assert 0.0 < squeezed["recall_rate"] < 1.0
+    assert engine.compression.audit_bytes == 0  # audit buffers go with their request
+
+
+def test_dynamic_uses_key_only_tiers_that_really_save_bytes(model, tokenizer):
+    ids = prompt(tokenizer, 400, seed=7)
+    engine = make_engine(model, tokenizer, compression=SETTINGS)
+    metrics = run_one(engine, ids, "dynamic", 0.6)[-1].compression_metrics
+    assert metrics["entries"]["key_only"] > 0
+    store = engine.store
+    assert store.key_only_token_bytes_per_layer < store.token_bytes_per_layer
+
+
+def test_mixed_policies_in_one_batch_match_each_alone(model, tokenizer):
+    requests = [("dynamic", 0.6), ("h2o", 0.75), ("none", 0.0), ("streaming_llm", 0.5), ("snapkv", 0.6)]
+    prompts = [prompt(tokenizer, 150 + 60 * i, seed=i) for i in range(len(requests))]
+    alone = []
+    for (policy, rate), ids in zip(requests, prompts, strict=True):
+        alone.append(tokens_of(run_one(make_engine(model, tokenizer, compression=SETTINGS), ids, policy, rate)))
+    engine = make_engine(model, tokenizer, compression=SETTINGS)
+    for i, ((policy, rate), ids) in enumerate(zip(requests, prompts, strict=True)):
+        params = resolve(engine.compression_config, {"policy": policy, "compression_rate": rate}, True, True)
+        engine.add_request(str(i), ids, greedy(24, ignore_eos=True), params)
+    together = run_to_completion(engine)
+    for i, want in enumerate(alone):
+        assert tokens_of(together[str(i)]) == want, requests[i]
+    assert engine.store.used_bytes == 0
+
+
+@pytest.mark.parametrize("storage", ["int8", torch.float16])
+def test_storage_precision_counts_as_compression(model, tokenizer, storage):
+    dtype_name = "int8" if storage == "int8" else "float16"
+    engine = make_engine(model, tokenizer, compression={**SETTINGS, "kv_cache_dtype": dtype_name})
+    metrics = run_one(engine, prompt(tokenizer, 200), "none", 0.0)[-1].compression_metrics
+    head_dim = engine.store.head_dim
+    share = (head_dim + 2) / (4 * head_dim) if storage == "int8" else 0.5  # int8 codes + fp16 scale vs fp32
+    # Held bytes include the buffers' growth slack (at most an eighth).
+    assert share <= metrics["compression_ratio"] <= share * 1.15
+
+
+def test_key_only_attention_error_is_bounded():
+    """Values quantised to int4 per token and head move each attention output by at most
+    max over entries of (value range / 30), since the output is a convex mix of the values."""
+    torch.manual_seed(0)
+    values = torch.randn(3, 200, 64)
+    probs = torch.rand(3, 5, 200).softmax(-1)
+    approx = dequantize(quantize(values, 4))
+    error = (probs @ approx - probs @ values).abs().max()
+    value_range = (values.amax(-1) - values.amin(-1)).max()
+    assert error <= value_range / 30 * 1.01
+    assert quantize(values, 4).nbytes < values.nbytes / 6
+
+
+def test_budget_demotes_lowest_confidence_first():
+    scores = torch.tensor([5.0, 1.0, 4.0, 3.0, 2.0, 0.5])
+    protected = torch.tensor([True, False, False, False, False, True])
+    plan = plan_tiers(
+        scores,
+        protected,
+        num_key_only=0,
+        budget_bytes=2 * 10 + 10 + 2 * 6,
+        full_bytes=10,
+        key_only_bytes=6,
+        high=0.9,
+        medium=0.7,
+        use_tiers=True,
+    )
+    kept = set(plan.keep_full.tolist()) | set(plan.keep_key_only.tolist())
+    assert {0, 5} <= set(plan.keep_full.tolist())  # protected stay FULL
+    assert 1 in plan.dropped.tolist()  # the lowest score goes first
+    assert 2 in kept and 3 in kept
+    cost = 10 * plan.keep_full.numel() + 6 * plan.keep_key_only.numel()
+    assert cost <= 42
+
+
+def test_kv_store_tiers_account_exactly():
+    store = KVStore(num_layers=2, num_kv_heads=2, head_dim=8, max_bytes=10**7, storage="int8", key_only_bits=4)
+    store.reserve(1, 40)
+    for layer in range(2):
+        x = torch.randn(2, 40, 8)
+        store.append(1, layer, x, -x, torch.arange(40))
+    store.retier(1, 0, keep_full=torch.arange(20, 40), keep_key_only=torch.arange(0, 10))
+    store.retier(1, 0, keep_full=torch.arange(25, 30), keep_key_only=torch.arange(0, 20))
+    layer = store.layer(1, 0)
+    assert (layer.num_key_only, layer.num_full) == (20, 5)
+    tensors = [
+        layer.keys,
+        layer.key_scale,
+        layer.values,
+        layer.value_scale,
+        *([layer.ko_values.codes, layer.ko_values.scale, layer.ko_values.minimum]),
+    ]
+    other = store.layer(1, 1)
+    tensors += [other.keys, other.key_scale, other.values, other.value_scale]
+    assert store.used_bytes == sum(t.nbytes for t in tensors)
+    with pytest.raises(ValueError, match="cannot become FULL"):
+        store.retier(1, 0, keep_full=torch.tensor([0]), keep_key_only=torch.tensor([], dtype=torch.long))
+
+
+def test_config_file_matches_model_defaults():
+    assert CompressionConfig.load() == CompressionConfig()
