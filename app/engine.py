@@ -80,7 +80,7 @@ class LLMEngine:
             max_bytes=config.max_cache_bytes,
             dtype=model.dtype,
             device=next(model.parameters()).device,
-            storage=None if storage == "auto" else storage if storage == "int8" else getattr(torch, storage),
+            storage=None if storage == "auto" else storage if storage.startswith("int") else getattr(torch, storage),
             key_only_bits=self.compression_config.key_only_value_bits,
         )
         self.compression = CompressionEngine(self.store)

@@ -45,7 +45,9 @@ class CompressionConfig(BaseModel):
     observation_window: int = Field(32, ge=1, description="last prompt queries observed at the end of prefill")
     sink_tokens: int = Field(4, ge=0, description="first tokens never dropped (attention sinks)")
     recent_window: int = Field(32, ge=0, description="most recent tokens never dropped")
-    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16", "int8"] = "auto"
+    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16", "int8", "int4"] = Field(
+        "auto", description="storage precision of FULL entries; auto is the model's dtype"
+    )
     key_only_value_bits: Literal[4, 8] = 4
     attention_decay: float = Field(0.95, gt=0.0, le=1.0, description="per-observation decay of dynamic scores")
     confident_extra_rate: float = Field(

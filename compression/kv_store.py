@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compression.quant import Quantized, bytes_per_vector, dequantize, quantize
+from compression.quant import SCALE_DTYPE, Quantized, bytes_per_vector, dequantize, quantize
 
 # Buffers grow by at least this many tokens, and by an eighth of their size when large, so that
 # appending one token per decode step costs amortised O(1) copies with at most ~12% slack.
@@ -36,46 +36,60 @@ class KVBudgetExceeded(RuntimeError):
 
 
 class Codec:
-    """How FULL keys and values are stored: a float dtype, or int8 with a scale per token and head."""
+    """How FULL keys and values are stored: a float dtype, or int8/int4 codes with per-(token, head)
+    scale (and minimum, at 4 bits), kept in buffers parallel to the codes."""
 
     def __init__(self, storage: torch.dtype | str, compute_dtype: torch.dtype, head_dim: int) -> None:
-        self.quantized = storage in ("int8", torch.int8)
-        self.dtype = torch.int8 if self.quantized else storage
+        self.bits = {"int8": 8, torch.int8: 8, "int4": 4}.get(storage, 0)
+        self.dtype = torch.int8 if self.bits == 8 else torch.uint8 if self.bits == 4 else storage
         self.compute_dtype = compute_dtype
         self.head_dim = head_dim
 
     @property
+    def quantized(self) -> bool:
+        return self.bits > 0
+
+    @property
     def vector_bytes(self) -> int:
         if self.quantized:
-            return bytes_per_vector(self.head_dim, 8)
+            return bytes_per_vector(self.head_dim, self.bits)
         return self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
     def empty(self, heads: int, capacity: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        data = torch.empty((heads, capacity, self.head_dim), dtype=self.dtype, device=device)
-        scale = torch.empty((heads, capacity), dtype=torch.float16, device=device) if self.quantized else None
-        return data, scale
+        """Codes [heads, capacity, width] and, when quantised, params [heads, capacity, 1 or 2] (fp16)."""
+        width = self.head_dim * self.bits // 8 if self.quantized else self.head_dim
+        data = torch.empty((heads, capacity, width), dtype=self.dtype, device=device)
+        params = None
+        if self.quantized:
+            params = torch.empty((heads, capacity, 1 if self.bits == 8 else 2), dtype=SCALE_DTYPE, device=device)
+        return data, params
 
-    def write(self, data: torch.Tensor, scale: torch.Tensor | None, start: int, x: torch.Tensor) -> None:
+    def write(self, data: torch.Tensor, params: torch.Tensor | None, start: int, x: torch.Tensor) -> None:
         end = start + x.shape[1]
-        if self.quantized:
-            q = quantize(x, 8)
-            data[:, start:end] = q.codes
-            scale[:, start:end] = q.scale
-        else:
+        if not self.quantized:
             data[:, start:end] = x
+            return
+        q = quantize(x, self.bits)
+        data[:, start:end] = q.codes
+        params[:, start:end, 0] = q.scale
+        if q.minimum is not None:
+            params[:, start:end, 1] = q.minimum
 
-    def read(self, data: torch.Tensor, scale: torch.Tensor | None, end: int, start: int = 0) -> torch.Tensor:
-        if self.quantized:
-            return dequantize(Quantized(data[:, start:end], scale[:, start:end], None, 8), self.compute_dtype)
-        return data[:, start:end] if data.dtype == self.compute_dtype else data[:, start:end].to(self.compute_dtype)
+    def read(self, data: torch.Tensor, params: torch.Tensor | None, end: int, start: int = 0) -> torch.Tensor:
+        if not self.quantized:
+            view = data[:, start:end]
+            return view if view.dtype == self.compute_dtype else view.to(self.compute_dtype)
+        p = params[:, start:end]
+        q = Quantized(data[:, start:end], p[..., 0], p[..., 1] if self.bits == 4 else None, self.bits)
+        return dequantize(q, self.compute_dtype)
 
 
 @dataclass
 class LayerKV:
     keys: torch.Tensor
-    key_scale: torch.Tensor | None
+    key_params: torch.Tensor | None
     values: torch.Tensor
-    value_scale: torch.Tensor | None
+    value_params: torch.Tensor | None
     positions: torch.Tensor  # [capacity] token positions, in key order
     attention: torch.Tensor  # [capacity] float32 attention observed by the scoring policy
     ko_values: Quantized | None = None
@@ -98,7 +112,7 @@ class LayerKV:
     @property
     def nbytes(self) -> int:
         total = self.keys.nbytes + self.values.nbytes
-        for t in (self.key_scale, self.value_scale):
+        for t in (self.key_params, self.value_params):
             if t is not None:
                 total += t.nbytes
         return total + (self.ko_values.nbytes if self.ko_values is not None else 0)
@@ -244,8 +258,8 @@ class KVStore:
         layer = self._seqs[seq_id].layers[layer_idx]
         n = keys.shape[1]
         start = layer.length
-        self.codec.write(layer.keys, layer.key_scale, start, keys)
-        self.codec.write(layer.values, layer.value_scale, layer.num_full, values)
+        self.codec.write(layer.keys, layer.key_params, start, keys)
+        self.codec.write(layer.values, layer.value_params, layer.num_full, values)
         layer.positions[start : start + n] = positions
         layer.attention[start : start + n] = 0.0
         layer.length += n
@@ -253,8 +267,8 @@ class KVStore:
     def view(self, seq_id: int, layer_idx: int) -> LayerView:
         """Keys and values held by one layer of one sequence (no copy at float storage)."""
         layer = self._seqs[seq_id].layers[layer_idx]
-        keys = self.codec.read(layer.keys, layer.key_scale, layer.length)
-        values = self.codec.read(layer.values, layer.value_scale, layer.num_full)
+        keys = self.codec.read(layer.keys, layer.key_params, layer.length)
+        values = self.codec.read(layer.values, layer.value_params, layer.num_full)
         return LayerView(keys, values, layer.ko_values, layer.num_key_only)
 
     def positions(self, seq_id: int, layer_idx: int) -> torch.Tensor:
@@ -278,14 +292,14 @@ class KVStore:
         n, n_ko, n_full = order.numel(), keep_key_only.numel(), keep_full.numel()
         rebuilt = self._new_layer(_round_up(n, GROWTH_CHUNK), _round_up(n_full, GROWTH_CHUNK))
         rebuilt.keys[:, :n] = layer.keys.index_select(1, order)
-        if layer.key_scale is not None:
-            rebuilt.key_scale[:, :n] = layer.key_scale.index_select(1, order)
+        if layer.key_params is not None:
+            rebuilt.key_params[:, :n] = layer.key_params.index_select(1, order)
         rebuilt.positions[:n] = layer.positions.index_select(0, order)
         rebuilt.attention[:n] = layer.attention.index_select(0, order)
         full_slots = keep_full - layer.num_key_only  # FULL entry i has its value at slot i - num_key_only
         rebuilt.values[:, :n_full] = layer.values.index_select(1, full_slots)
-        if layer.value_scale is not None:
-            rebuilt.value_scale[:, :n_full] = layer.value_scale.index_select(1, full_slots)
+        if layer.value_params is not None:
+            rebuilt.value_params[:, :n_full] = layer.value_params.index_select(1, full_slots)
         rebuilt.ko_values = self._key_only_values(layer, keep_key_only) if n_ko else None
         rebuilt.length, rebuilt.num_key_only, rebuilt.compacted = n, n_ko, True
         self._seqs[seq_id].layers[layer_idx] = rebuilt
@@ -313,7 +327,7 @@ class KVStore:
             minimum = ko.minimum.index_select(1, old) if ko.minimum is not None else None
             parts.append(Quantized(ko.codes.index_select(1, old), ko.scale.index_select(1, old), minimum, ko.bits))
         if new.numel():
-            scale = layer.value_scale.index_select(1, new) if layer.value_scale is not None else None
+            scale = layer.value_params.index_select(1, new) if layer.value_params is not None else None
             full = self.codec.read(layer.values.index_select(1, new), scale, new.numel())
             parts.append(quantize(full, self.key_only_bits))
         if len(parts) == 1:
@@ -323,13 +337,13 @@ class KVStore:
         return Quantized(torch.cat((a.codes, b.codes), 1), torch.cat((a.scale, b.scale), 1), minimum, a.bits)
 
     def _new_layer(self, key_capacity: int, value_capacity: int) -> LayerKV:
-        keys, key_scale = self.codec.empty(self.num_kv_heads, key_capacity, self.device)
-        values, value_scale = self.codec.empty(self.num_kv_heads, value_capacity, self.device)
+        keys, key_params = self.codec.empty(self.num_kv_heads, key_capacity, self.device)
+        values, value_params = self.codec.empty(self.num_kv_heads, value_capacity, self.device)
         return LayerKV(
             keys=keys,
-            key_scale=key_scale,
+            key_params=key_params,
             values=values,
-            value_scale=value_scale,
+            value_params=value_params,
             positions=torch.empty(key_capacity, dtype=torch.long, device=self.device),
             attention=torch.zeros(key_capacity, dtype=torch.float32, device=self.device),
         )
@@ -339,14 +353,14 @@ class KVStore:
         n, nf = layer.length, layer.num_full
         grown.keys[:, :n] = layer.keys[:, :n]
         grown.values[:, :nf] = layer.values[:, :nf]
-        if layer.key_scale is not None:
-            grown.key_scale[:, :n] = layer.key_scale[:, :n]
-            grown.value_scale[:, :nf] = layer.value_scale[:, :nf]
+        if layer.key_params is not None:
+            grown.key_params[:, :n] = layer.key_params[:, :n]
+            grown.value_params[:, :nf] = layer.value_params[:, :nf]
         grown.positions[:n] = layer.positions[:n]
         grown.attention[:n] = layer.attention[:n]
         before = layer.nbytes
-        layer.keys, layer.key_scale = grown.keys, grown.key_scale
-        layer.values, layer.value_scale = grown.values, grown.value_scale
+        layer.keys, layer.key_params = grown.keys, grown.key_params
+        layer.values, layer.value_params = grown.values, grown.value_params
         layer.positions, layer.attention = grown.positions, grown.attention
         self.used_bytes += layer.nbytes - before
 

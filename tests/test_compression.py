@@ -127,13 +127,13 @@ def test_mixed_policies_in_one_batch_match_each_alone(model, tokenizer):
     assert engine.store.used_bytes == 0
 
 
-@pytest.mark.parametrize("storage", ["int8", torch.float16])
+@pytest.mark.parametrize("storage", ["float16", "int8", "int4"])
 def test_storage_precision_counts_as_compression(model, tokenizer, storage):
-    dtype_name = "int8" if storage == "int8" else "float16"
-    engine = make_engine(model, tokenizer, compression={**SETTINGS, "kv_cache_dtype": dtype_name})
+    engine = make_engine(model, tokenizer, compression={**SETTINGS, "kv_cache_dtype": storage})
     metrics = run_one(engine, prompt(tokenizer, 200), "none", 0.0)[-1].compression_metrics
-    head_dim = engine.store.head_dim
-    share = (head_dim + 2) / (4 * head_dim) if storage == "int8" else 0.5  # int8 codes + fp16 scale vs fp32
+    d = engine.store.head_dim
+    # Codes plus fp16 parameters per head vector (scale; scale and minimum at 4 bits), against fp32.
+    share = {"float16": 0.5, "int8": (d + 2) / (4 * d), "int4": (d / 2 + 4) / (4 * d)}[storage]
     # Held bytes include the buffers' growth slack (at most an eighth).
     assert share <= metrics["compression_ratio"] <= share * 1.15
 
@@ -185,13 +185,13 @@ def test_kv_store_tiers_account_exactly():
     assert (layer.num_key_only, layer.num_full) == (20, 5)
     tensors = [
         layer.keys,
-        layer.key_scale,
+        layer.key_params,
         layer.values,
-        layer.value_scale,
+        layer.value_params,
         *([layer.ko_values.codes, layer.ko_values.scale, layer.ko_values.minimum]),
     ]
     other = store.layer(1, 1)
-    tensors += [other.keys, other.key_scale, other.values, other.value_scale]
+    tensors += [other.keys, other.key_params, other.values, other.value_params]
     assert store.used_bytes == sum(t.nbytes for t in tensors)
     with pytest.raises(ValueError, match="cannot become FULL"):
         store.retier(1, 0, keep_full=torch.tensor([0]), keep_key_only=torch.tensor([], dtype=torch.long))

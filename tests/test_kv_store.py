@@ -20,7 +20,7 @@ def held_tensor_bytes(store: KVStore) -> int:
     total = 0
     for seq in store._seqs.values():
         for layer in seq.layers:
-            tensors = [layer.keys, layer.values, layer.key_scale, layer.value_scale]
+            tensors = [layer.keys, layer.values, layer.key_params, layer.value_params]
             if layer.ko_values is not None:
                 tensors += [layer.ko_values.codes, layer.ko_values.scale, layer.ko_values.minimum]
             total += sum(t.nbytes for t in tensors if t is not None)
