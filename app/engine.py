@@ -70,7 +70,6 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.compression_config = compression or CompressionConfig()
-        storage = self.compression_config.kv_cache_dtype
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.store = KVStore(
@@ -80,7 +79,6 @@ class LLMEngine:
             max_bytes=config.max_cache_bytes,
             dtype=model.dtype,
             device=next(model.parameters()).device,
-            storage=None if storage == "auto" else storage if storage.startswith("int") else getattr(torch, storage),
             key_only_bits=self.compression_config.key_only_value_bits,
         )
         self.compression = CompressionEngine(self.store)
@@ -108,7 +106,9 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params)
         self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, params.stop)
         self._by_request[request_id] = seq
-        self.compression.register(seq.seq_id, compression or self.default_compression(), seq.num_prompt_tokens)
+        compression = compression or self.default_compression()
+        self.store.set_storage(seq.seq_id, compression.kv_cache_dtype)
+        self.compression.register(seq.seq_id, compression, seq.num_prompt_tokens)
         self.scheduler.add(seq)
         return seq
 
@@ -144,7 +144,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         finished: list[Sequence] = []
         for seq in sched.rejected:
-            need = self.store.bytes_for(seq.num_uncomputed)
+            need = self.store.bytes_for(seq.num_uncomputed, self.store.codec_of(seq.seq_id))
             self._finish(
                 seq,
                 FinishReason.ERROR,

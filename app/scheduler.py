@@ -59,7 +59,7 @@ class Scheduler:
         # Then admit waiting sequences while their prompts fit.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
-            need = self.store.bytes_for(seq.num_uncomputed)
+            need = self.store.bytes_for(seq.num_uncomputed, self.store.codec_of(seq.seq_id))
             if need > self.store.max_bytes:
                 self.waiting.popleft()
                 out.rejected.append(seq)
@@ -111,7 +111,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.store.free(seq.seq_id)
+        self.store.free(seq.seq_id, keep_storage=True)
         seq.num_computed = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from compression.config import Policy, Thresholds
+from compression.config import Policy, StorageDtype, Thresholds
 
 
 class _Strict(BaseModel):
@@ -27,6 +27,9 @@ class CompressionOptions(_Strict):
     thresholds: Thresholds | None = None
     prediction_window: int | None = Field(None, ge=1, le=8192)
     compression_interval: int | None = Field(None, ge=1, le=4096)
+    kv_cache_dtype: StorageDtype | None = Field(
+        None, description="storage precision of FULL entries (auto: the model's dtype); int8 keeps ~26% of fp32"
+    )
 
 
 class GenerateRequest(_Strict):

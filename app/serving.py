@@ -77,7 +77,8 @@ class GenerateService:
         # Without compression the whole request must fit the budget; with it, the prompt must.
         store = self.engine.engine.store
         need = len(ids) if compression.active else len(ids) + max_tokens
-        if store.bytes_for(need) > store.max_bytes:
+        storage = store.make_codec(compression.kv_cache_dtype)
+        if store.bytes_for(need, storage) > store.max_bytes:
             self._refuse(413)
             raise APIError(
                 413,

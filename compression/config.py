@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 DEFAULT_FILE = Path(__file__).resolve().parent.parent / "config" / "compression.json"
 
 Policy = Literal["dynamic", "none", "streaming_llm", "h2o", "snapkv", "tova", "knorm", "random"]
+StorageDtype = Literal["auto", "float32", "float16", "bfloat16", "int8", "int4"]
 POLICIES: tuple[str, ...] = Policy.__args__
 
 
@@ -45,8 +46,10 @@ class CompressionConfig(BaseModel):
     observation_window: int = Field(32, ge=1, description="last prompt queries observed at the end of prefill")
     sink_tokens: int = Field(4, ge=0, description="first tokens never dropped (attention sinks)")
     recent_window: int = Field(32, ge=0, description="most recent tokens never dropped")
-    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16", "int8", "int4"] = Field(
-        "auto", description="storage precision of FULL entries; auto is the model's dtype"
+    kv_cache_dtype: StorageDtype = Field(
+        "int8",
+        description="storage precision of FULL entries of compressed requests; auto is the model's dtype "
+        "(uncompressed requests always keep the model's dtype)",
     )
     key_only_value_bits: Literal[4, 8] = 4
     attention_decay: float = Field(0.95, gt=0.0, le=1.0, description="per-observation decay of dynamic scores")
@@ -81,6 +84,7 @@ class CompressionParams:
     recent_window: int
     attention_decay: float
     confident_extra_rate: float
+    kv_cache_dtype: str = "auto"  # storage precision of FULL entries
     stats: bool = False  # the client asked for compression_metrics: keep an audit of dropped keys
     seed: int = 0
 
@@ -93,9 +97,14 @@ def resolve(config: CompressionConfig, request: dict | None, server_enabled: boo
     """Request values over config values; `--compression-enabled false` turns everything off."""
     request = request or {}
     thresholds = request.get("thresholds") or {}
+    enabled = server_enabled and request.get("enabled", True) is not False
+    policy = request.get("policy") or config.policy
+    # Storage precision: the request's own choice, else the config's for requests that compress;
+    # a request that does not compress keeps the model's dtype.
+    storage = request.get("kv_cache_dtype") or (config.kv_cache_dtype if policy != "none" else "auto")
     return CompressionParams(
-        enabled=server_enabled and request.get("enabled", True) is not False,
-        policy=request.get("policy") or config.policy,
+        enabled=enabled,
+        policy=policy,
         compression_rate=_first(request.get("compression_rate"), config.compression_rate),
         high=_first(thresholds.get("high"), config.confidence_thresholds.high),
         medium=_first(thresholds.get("medium"), config.confidence_thresholds.medium),
@@ -107,6 +116,7 @@ def resolve(config: CompressionConfig, request: dict | None, server_enabled: boo
         recent_window=config.recent_window,
         attention_decay=config.attention_decay,
         confident_extra_rate=config.confident_extra_rate,
+        kv_cache_dtype=storage if enabled else "auto",
         stats=stats,
         seed=config.seed,
     )

@@ -174,8 +174,8 @@ class CompressionEngine:
         rate = self.target_rate(state)
         per_token = store.model_token_bytes / store.num_layers
         # Buffers are sized in chunks: leave room for that rounding so the held bytes meet the target.
-        budget = (1.0 - rate) * num_tokens * per_token - GROWTH_CHUNK * store.token_bytes_per_layer
-        full_bytes, key_only_bytes = store.token_bytes_per_layer, store.key_only_token_bytes_per_layer
+        full_bytes, key_only_bytes = store.entry_bytes(store.codec_of(seq_id))
+        budget = (1.0 - rate) * num_tokens * per_token - GROWTH_CHUNK * full_bytes
         confidence = self._token_confidence(state, num_tokens)
         for layer in range(store.num_layers):
             kv = store.layer(seq_id, layer)

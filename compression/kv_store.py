@@ -130,6 +130,7 @@ class LayerView:
 
 @dataclass
 class SequenceKV:
+    codec: Codec
     layers: list[LayerKV] = field(default_factory=list)
 
     @property
@@ -157,26 +158,44 @@ class KVStore:
         self.max_bytes = max_bytes
         self.dtype = dtype  # the model's dtype: what attention computes in
         self.device = torch.device(device)
-        self.codec = Codec(storage if storage is not None else dtype, dtype, head_dim)
+        self.codec = self.make_codec(storage)  # the default storage precision
         self.key_only_bits = key_only_bits
         self.used_bytes = 0
         self._seqs: dict[int, SequenceKV] = {}
+        self._storage: dict[int, Codec] = {}  # sequences stored at another precision than the default
+
+    def make_codec(self, storage: torch.dtype | str | None) -> Codec:
+        """A codec for `storage`: None or "auto" is the model's dtype; a float dtype name; "int8"; "int4"."""
+        if storage is None or storage == "auto":
+            storage = self.dtype
+        elif isinstance(storage, str) and not storage.startswith("int"):
+            storage = getattr(torch, storage)
+        return Codec(storage, self.dtype, self.head_dim)
+
+    def set_storage(self, seq_id: int, storage: torch.dtype | str | None) -> None:
+        """Store this sequence's FULL entries at `storage` (before its first reservation)."""
+        self._storage[seq_id] = self.make_codec(storage)
+
+    def codec_of(self, seq_id: int) -> Codec:
+        return self._storage.get(seq_id, self.codec)
 
     # ----- sizes -------------------------------------------------------------------------
+    def entry_bytes(self, codec: Codec | None = None) -> tuple[int, int]:
+        """Bytes of one (token, layer) entry: FULL, and KEY_ONLY (key as stored, value quantised)."""
+        vector = (codec or self.codec).vector_bytes
+        return 2 * self.num_kv_heads * vector, self.num_kv_heads * (
+            vector + bytes_per_vector(self.head_dim, self.key_only_bits)
+        )
+
     @property
     def token_bytes_per_layer(self) -> int:
-        """Bytes of one FULL token's key and value in one layer at the storage precision."""
-        return 2 * self.num_kv_heads * self.codec.vector_bytes
+        """Bytes of one FULL token's key and value in one layer at the default storage precision."""
+        return self.entry_bytes()[0]
 
     @property
     def token_bytes(self) -> int:
-        """Bytes of one FULL token's keys and values over all layers."""
+        """Bytes of one FULL token's keys and values over all layers at the default storage precision."""
         return self.num_layers * self.token_bytes_per_layer
-
-    @property
-    def key_only_token_bytes_per_layer(self) -> int:
-        """Bytes of one KEY_ONLY token in one layer: its key as stored, its value quantised."""
-        return self.num_kv_heads * (self.codec.vector_bytes + bytes_per_vector(self.head_dim, self.key_only_bits))
 
     @property
     def model_token_bytes(self) -> int:
@@ -184,9 +203,9 @@ class KVStore:
         element = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
 
-    def bytes_for(self, num_tokens: int) -> int:
+    def bytes_for(self, num_tokens: int, codec: Codec | None = None) -> int:
         """Bytes a new sequence of `num_tokens` FULL tokens takes, growth granularity included."""
-        return self.num_layers * _round_up(num_tokens, GROWTH_CHUNK) * self.token_bytes_per_layer
+        return self.num_layers * _round_up(num_tokens, GROWTH_CHUNK) * self.entry_bytes(codec)[0]
 
     @property
     def free_bytes(self) -> int:
@@ -216,8 +235,11 @@ class KVStore:
         All-or-nothing: either every layer has room afterwards or nothing changed.
         """
         created = seq_id not in self._seqs
-        seq = self._seqs.setdefault(seq_id, SequenceKV([self._new_layer(0, 0) for _ in range(self.num_layers)]))
-        vector = self.num_kv_heads * self.codec.vector_bytes  # one key or one value, one layer
+        if created:
+            codec = self.codec_of(seq_id)
+            self._seqs[seq_id] = SequenceKV(codec, [self._new_layer(codec, 0, 0) for _ in range(self.num_layers)])
+        seq = self._seqs[seq_id]
+        vector = self.num_kv_heads * seq.codec.vector_bytes  # one key or one value, one layer
         growth = []  # (layer, exact keys, generous keys, exact values, generous values)
         for layer in seq.layers:
             k_need, v_need = layer.length + num_new, layer.num_full + num_new
@@ -246,7 +268,7 @@ class KVStore:
             if surplus <= slack:
                 slack -= surplus
                 k_exact, v_exact = k_generous, v_generous
-            self._resize(layer, k_exact, v_exact)
+            self._resize(seq.codec, layer, k_exact, v_exact)
 
     def append(
         self, seq_id: int, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
@@ -255,20 +277,22 @@ class KVStore:
 
         Room must have been reserved; this runs inside the forward pass and never allocates.
         """
-        layer = self._seqs[seq_id].layers[layer_idx]
+        seq = self._seqs[seq_id]
+        layer = seq.layers[layer_idx]
         n = keys.shape[1]
         start = layer.length
-        self.codec.write(layer.keys, layer.key_params, start, keys)
-        self.codec.write(layer.values, layer.value_params, layer.num_full, values)
+        seq.codec.write(layer.keys, layer.key_params, start, keys)
+        seq.codec.write(layer.values, layer.value_params, layer.num_full, values)
         layer.positions[start : start + n] = positions
         layer.attention[start : start + n] = 0.0
         layer.length += n
 
     def view(self, seq_id: int, layer_idx: int) -> LayerView:
         """Keys and values held by one layer of one sequence (no copy at float storage)."""
-        layer = self._seqs[seq_id].layers[layer_idx]
-        keys = self.codec.read(layer.keys, layer.key_params, layer.length)
-        values = self.codec.read(layer.values, layer.value_params, layer.num_full)
+        seq = self._seqs[seq_id]
+        layer = seq.layers[layer_idx]
+        keys = seq.codec.read(layer.keys, layer.key_params, layer.length)
+        values = seq.codec.read(layer.values, layer.value_params, layer.num_full)
         return LayerView(keys, values, layer.ko_values, layer.num_key_only)
 
     def positions(self, seq_id: int, layer_idx: int) -> torch.Tensor:
@@ -282,7 +306,8 @@ class KVStore:
         quantised now); `keep_full` may name FULL entries only, since a quantised value cannot be
         restored. Entries named in neither are dropped.
         """
-        layer = self._seqs[seq_id].layers[layer_idx]
+        seq = self._seqs[seq_id]
+        layer = seq.layers[layer_idx]
         if bool((keep_full < layer.num_key_only).any()):
             raise ValueError("a KEY_ONLY entry cannot become FULL again")
         before = layer.nbytes
@@ -290,7 +315,7 @@ class KVStore:
         keep_full = keep_full.sort().values
         order = torch.cat((keep_key_only, keep_full))
         n, n_ko, n_full = order.numel(), keep_key_only.numel(), keep_full.numel()
-        rebuilt = self._new_layer(_round_up(n, GROWTH_CHUNK), _round_up(n_full, GROWTH_CHUNK))
+        rebuilt = self._new_layer(seq.codec, _round_up(n, GROWTH_CHUNK), _round_up(n_full, GROWTH_CHUNK))
         rebuilt.keys[:, :n] = layer.keys.index_select(1, order)
         if layer.key_params is not None:
             rebuilt.key_params[:, :n] = layer.key_params.index_select(1, order)
@@ -300,15 +325,20 @@ class KVStore:
         rebuilt.values[:, :n_full] = layer.values.index_select(1, full_slots)
         if layer.value_params is not None:
             rebuilt.value_params[:, :n_full] = layer.value_params.index_select(1, full_slots)
-        rebuilt.ko_values = self._key_only_values(layer, keep_key_only) if n_ko else None
+        rebuilt.ko_values = self._key_only_values(seq.codec, layer, keep_key_only) if n_ko else None
         rebuilt.length, rebuilt.num_key_only, rebuilt.compacted = n, n_ko, True
         self._seqs[seq_id].layers[layer_idx] = rebuilt
         freed = before - rebuilt.nbytes
         self.used_bytes -= freed
         return freed
 
-    def free(self, seq_id: int) -> int:
-        """Drop a sequence's cache and return the bytes it held."""
+    def free(self, seq_id: int, keep_storage: bool = False) -> int:
+        """Drop a sequence's cache and return the bytes it held.
+
+        `keep_storage` remembers its storage precision, for a sequence that will be recomputed.
+        """
+        if not keep_storage:
+            self._storage.pop(seq_id, None)
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return 0
@@ -317,7 +347,7 @@ class KVStore:
         return freed
 
     # ----- internals ---------------------------------------------------------------------
-    def _key_only_values(self, layer: LayerKV, entries: torch.Tensor) -> Quantized:
+    def _key_only_values(self, codec: Codec, layer: LayerKV, entries: torch.Tensor) -> Quantized:
         """Quantised values of `entries` (sorted): old KEY_ONLY ones kept, FULL ones quantised now."""
         old = entries[entries < layer.num_key_only]
         new = entries[entries >= layer.num_key_only] - layer.num_key_only
@@ -328,7 +358,7 @@ class KVStore:
             parts.append(Quantized(ko.codes.index_select(1, old), ko.scale.index_select(1, old), minimum, ko.bits))
         if new.numel():
             scale = layer.value_params.index_select(1, new) if layer.value_params is not None else None
-            full = self.codec.read(layer.values.index_select(1, new), scale, new.numel())
+            full = codec.read(layer.values.index_select(1, new), scale, new.numel())
             parts.append(quantize(full, self.key_only_bits))
         if len(parts) == 1:
             return parts[0]
@@ -336,9 +366,9 @@ class KVStore:
         minimum = torch.cat((a.minimum, b.minimum), 1) if a.minimum is not None else None
         return Quantized(torch.cat((a.codes, b.codes), 1), torch.cat((a.scale, b.scale), 1), minimum, a.bits)
 
-    def _new_layer(self, key_capacity: int, value_capacity: int) -> LayerKV:
-        keys, key_params = self.codec.empty(self.num_kv_heads, key_capacity, self.device)
-        values, value_params = self.codec.empty(self.num_kv_heads, value_capacity, self.device)
+    def _new_layer(self, codec: Codec, key_capacity: int, value_capacity: int) -> LayerKV:
+        keys, key_params = codec.empty(self.num_kv_heads, key_capacity, self.device)
+        values, value_params = codec.empty(self.num_kv_heads, value_capacity, self.device)
         return LayerKV(
             keys=keys,
             key_params=key_params,
@@ -348,8 +378,8 @@ class KVStore:
             attention=torch.zeros(key_capacity, dtype=torch.float32, device=self.device),
         )
 
-    def _resize(self, layer: LayerKV, key_capacity: int, value_capacity: int) -> None:
-        grown = self._new_layer(max(key_capacity, layer.key_capacity), max(value_capacity, layer.value_capacity))
+    def _resize(self, codec: Codec, layer: LayerKV, key_capacity: int, value_capacity: int) -> None:
+        grown = self._new_layer(codec, max(key_capacity, layer.key_capacity), max(value_capacity, layer.value_capacity))
         n, nf = layer.length, layer.num_full
         grown.keys[:, :n] = layer.keys[:, :n]
         grown.values[:, :nf] = layer.values[:, :nf]

@@ -214,7 +214,7 @@ def test_compression_stats_report_metrics(server):
         "max_tokens": 20,
         "temperature": 0,
         "compression_stats": True,
-        "compression": {"policy": "dynamic", "compression_rate": 0.6},
+        "compression": {"policy": "dynamic", "compression_rate": 0.85},
     }
     metrics = post(server, body).json()["compression_metrics"]
     assert set(metrics) == {
@@ -229,7 +229,7 @@ def test_compression_stats_report_metrics(server):
     }
     assert metrics["policy"] == "dynamic"
     assert metrics["compression_ratio"] == pytest.approx(metrics["compressed_size"] / metrics["original_size"])
-    assert metrics["compression_ratio"] <= 0.45
+    assert metrics["compression_ratio"] <= 0.15 + 0.05  # one compression interval of slack
     assert 0.0 < metrics["recall_rate"] <= 1.0
     assert metrics["entries"]["dropped"] > 0
     assert "compression_metrics" not in post(server, {**body, "compression_stats": False}).json()
