@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -12,7 +11,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 
 from compression.config import DEFAULT_FILE as DEFAULT_COMPRESSION_FILE
-from compression.config import CompressionConfig
+from compression.config import CompressionConfig, parse_size
 
 
 class Settings(BaseSettings):
@@ -91,26 +90,6 @@ class Settings(BaseSettings):
         else:
             total = psutil.virtual_memory().total
         return parse_size(self.max_cache_size or self.compression().max_cache_size, total)
-
-
-_UNITS = {"": 2**20, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_size(value: str | int | float, total_bytes: int) -> int:
-    """'4096' (MB, as in the seeds), '2GiB', '512mb' or '80%' of `total_bytes` -> bytes."""
-    text = str(value).strip().lower()
-    if text.endswith("%"):
-        share = float(text[:-1])
-        if not 0 < share <= 100:
-            raise ValueError(f"a percentage must be in (0, 100], got {value!r}")
-        return int(total_bytes * share / 100)
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", text)
-    if not match or match.group(2) not in _UNITS:
-        raise ValueError(f"max_cache_size {value!r} is not a size: use MB (4096), 2GiB, 512MB or 80%")
-    size = int(float(match.group(1)) * _UNITS[match.group(2)])
-    if size <= 0:
-        raise ValueError(f"max_cache_size must be positive, got {value!r}")
-    return size
 
 
 def load_settings(argv: list[str] | None = None, **overrides) -> Settings:

@@ -1,5 +1,6 @@
-"""KV cache storage and compression."""
+"""KV cache storage and compression, usable with or without the server."""
 
 from compression.kv_store import KVBudgetExceeded, KVStore
+from compression.library import DynamicKVCompressor
 
-__all__ = ["KVBudgetExceeded", "KVStore"]
+__all__ = ["DynamicKVCompressor", "KVBudgetExceeded", "KVStore"]

@@ -4,6 +4,7 @@ ours) and the per-request parameters resolved from it and the request's `compres
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -124,3 +125,23 @@ def resolve(config: CompressionConfig, request: dict | None, server_enabled: boo
 
 def _first(value, default):
     return default if value is None else value
+
+
+_UNITS = {"": 2**20, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_size(value: str | int | float, total_bytes: int) -> int:
+    """'4096' (MB, as in the seeds), '2GiB', '512mb' or '80%' of `total_bytes` -> bytes."""
+    text = str(value).strip().lower()
+    if text.endswith("%"):
+        share = float(text[:-1])
+        if not 0 < share <= 100:
+            raise ValueError(f"a percentage must be in (0, 100], got {value!r}")
+        return int(total_bytes * share / 100)
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", text)
+    if not match or match.group(2) not in _UNITS:
+        raise ValueError(f"max_cache_size {value!r} is not a size: use MB (4096), 2GiB, 512MB or 80%")
+    size = int(float(match.group(1)) * _UNITS[match.group(2)])
+    if size <= 0:
+        raise ValueError(f"max_cache_size must be positive, got {value!r}")
+    return size

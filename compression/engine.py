@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -18,6 +19,14 @@ from compression.config import CompressionParams
 from compression.kv_store import GROWTH_CHUNK, KVStore
 from compression.policy import plan_tiers
 from compression.scoring import LayerEntries, ScorePolicy, make_policy
+
+
+class TrackedSequence(Protocol):
+    """What the compression engine reads of a sequence."""
+
+    seq_id: int
+    num_computed: int  # tokens whose KV has been computed
+    token_ids: list[int]  # prompt and generated tokens
 
 
 @dataclass
@@ -74,10 +83,17 @@ class CompressionEngine:
 
     def release(self, seq_id: int, num_tokens: int) -> CompressionMetrics | None:
         """Forget a finishing sequence (call before its cache is freed); return its metrics."""
+        metrics = self.metrics(seq_id, num_tokens)
         state = self.states.pop(seq_id, None)
+        if state is not None:
+            self.audit_bytes -= sum(k.nbytes for k in state.audit.values())
+        return metrics
+
+    def metrics(self, seq_id: int, num_tokens: int) -> CompressionMetrics | None:
+        """The sequence's figures now, `num_tokens` being the tokens it has processed."""
+        state = self.states.get(seq_id)
         if state is None:
             return None
-        self.audit_bytes -= sum(k.nbytes for k in state.audit.values())
         original = num_tokens * self.store.model_token_bytes
         compressed = self.store.seq_bytes(seq_id)
         full = key_only = 0
@@ -130,7 +146,7 @@ class CompressionEngine:
         state.recall_sum += float(recall.sum())
         state.recall_count += recall.numel()
 
-    def after_step(self, sequences, sampled_confidence: dict[int, float]) -> float:
+    def after_step(self, sequences: list[TrackedSequence], sampled_confidence: dict[int, float]) -> float:
         """Compress every due sequence; return the seconds spent."""
         spent = 0.0
         for seq in sequences:

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from app.settings import Settings, load_settings, parse_size
+from app.settings import Settings, load_settings
+from compression.config import parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 
