@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from app.sequence import SamplingParams  # noqa: E402
 from benchmarks.corpus import text_of_tokens  # noqa: E402
+from compression.config import CompressionConfig, resolve  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -109,6 +110,45 @@ def run_sequential(model, tokenizer, prompts, max_new, _) -> tuple[float, list[f
     return wall, ttft, tpot
 
 
+def measure_overhead(model, tokenizer, num_seqs: int, prompt_tokens: int, max_new: int) -> dict:
+    """Decode steps of `num_seqs` sequences of `prompt_tokens`: compression off, and dynamic at 0.6.
+
+    Reports the median step time of each and, with compression on, the share of each step spent in
+    the compression engine (scoring, tiering, compaction), i.e. not counting the attention's own
+    work on the int8/KEY_ONLY tiers, which shows in the step-time ratio.
+    """
+    prompts = [text_of_tokens(tokenizer, prompt_tokens, offset=11 * i) for i in range(num_seqs)]
+    result = {}
+    for label, policy in (("compression off", "none"), ("dynamic 0.6", "dynamic")):
+        config = CompressionConfig()
+        engine = LLMEngine(
+            model,
+            tokenizer,
+            EngineConfig(max_cache_bytes=2**34, max_num_seqs=num_seqs, max_num_batched_tokens=2048),
+            config,
+        )
+        params = resolve(config, {"policy": policy, "compression_rate": 0.6}, True, False)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True), params)
+        steps, shares = [], []
+        with torch.inference_mode(), tqdm(total=num_seqs * max_new, desc=f"overhead: {label}", leave=False) as bar:
+            while engine.has_unfinished():
+                outputs = engine.step()
+                bar.update(sum(len(o.new_token_ids) for o in outputs))
+                stats = engine.last_step
+                if stats.num_seqs == num_seqs and stats.num_tokens == num_seqs:  # pure decode steps
+                    steps.append(stats.duration_s)
+                    shares.append(stats.compression_s / stats.duration_s)
+        result[label] = {
+            "median_step_s": statistics.median(steps),
+            "mean_compression_share": statistics.mean(shares),
+            "max_compression_share": max(shares),
+            "decode_steps": len(steps),
+        }
+    result["step_time_ratio"] = result["dynamic 0.6"]["median_step_s"] / result["compression off"]["median_step_s"]
+    return result
+
+
 SYSTEMS = {
     "conf-kv engine": run_engine,
     "transformers generate_batch": run_generate_batch,
@@ -132,11 +172,25 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="128-token prompts, 32 new tokens, concurrency 1 4")
+    parser.add_argument("--overhead-seqs", type=int, default=16)
+    parser.add_argument("--overhead-prompt-tokens", type=int, default=2000)
+    parser.add_argument("--overhead-only", action="store_true", help="only the compression overhead experiment")
     parser.add_argument("--out", type=Path, default=RESULTS / "serving")
     args = parser.parse_args()
     if args.quick:
         args.prompt_tokens, args.max_new_tokens, args.concurrency = 128, 32, [1, 4]
+        args.overhead_seqs, args.overhead_prompt_tokens = 4, 512
     torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model_path, torch.device("cpu"))
+    overhead = measure_overhead(model, tokenizer, args.overhead_seqs, args.overhead_prompt_tokens, 48)
+    overhead_md = overhead_table(overhead, args)
+    print(overhead_md)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_name(args.out.name + "_overhead").with_suffix(".json").write_text(json.dumps(overhead, indent=2))
+    args.out.with_name(args.out.name + "_overhead").with_suffix(".md").write_text(overhead_md + "\n")
+    if args.overhead_only:
+        return
+    del model
 
     runs: list[Run] = []
     plan = [(name, c) for c in args.concurrency for name in SYSTEMS if not (name.endswith("(sequential)") and c > 1)]
@@ -166,6 +220,24 @@ def main() -> None:
         gc.collect()
 
     report(runs, args)
+
+
+def overhead_table(overhead: dict, args) -> str:
+    off, on = overhead["compression off"], overhead["dynamic 0.6"]
+    return "\n".join(
+        [
+            f"Compression overhead: {args.overhead_seqs} sequences of {args.overhead_prompt_tokens} prompt tokens decoding "
+            f"together, {args.threads} CPU threads.",
+            "",
+            "| | median decode step | compression engine share of the step (mean / max) |",
+            "| --- | ---: | ---: |",
+            f"| compression off | {off['median_step_s'] * 1000:.0f} ms | - |",
+            f"| dynamic, rate 0.6 (int8 storage) | {on['median_step_s'] * 1000:.0f} ms | "
+            f"{on['mean_compression_share']:.1%} / {on['max_compression_share']:.1%} |",
+            "",
+            f"Step time with compression / without: {overhead['step_time_ratio']:.2f}x.",
+        ]
+    )
 
 
 def report(runs: list[Run], args) -> None:

@@ -10,6 +10,8 @@ end of prefill, then every `compression_interval` decode steps).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -69,6 +71,18 @@ class CompressionEngine:
         self.store = store
         self.states: dict[int, SequenceState] = {}
         self.audit_bytes = 0
+        # On CUDA the compression work is queued on its own stream; each side waits for the other's
+        # queued work before touching the buffers they share, so nothing is read half-compacted.
+        self.stream = torch.cuda.Stream(store.device) if store.device.type == "cuda" else None
+
+    @contextmanager
+    def _on_side_stream(self) -> Iterator[None]:
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.store.device))
+        with torch.cuda.stream(self.stream):
+            yield
 
     # ----- lifecycle ---------------------------------------------------------------------
     def register(self, seq_id: int, params: CompressionParams, prompt_len: int) -> None:
@@ -121,6 +135,8 @@ class CompressionEngine:
     # ----- around the forward pass ---------------------------------------------------------
     def prepare(self, chunks: list) -> None:
         """Mark chunks (`ScheduledChunk`s) whose attention must be observed or audited in this step."""
+        if self.stream is not None:  # the forward pass reads what compression wrote
+            torch.cuda.current_stream(self.store.device).wait_stream(self.stream)
         for chunk in chunks:
             state = self.states.get(chunk.seq_id)
             if state is None or not state.params.active:
@@ -166,7 +182,8 @@ class CompressionEngine:
                 due = state.steps_since_compression >= state.params.compression_interval
             if due:
                 started = time.perf_counter()
-                self.compress(seq.seq_id, seq.num_computed, state)
+                with self._on_side_stream():
+                    self.compress(seq.seq_id, seq.num_computed, state)
                 state.steps_since_compression = 0
                 elapsed = time.perf_counter() - started
                 state.seconds += elapsed
