@@ -53,11 +53,12 @@ class Metrics:
 
     def bind_engine(self, engine: LLMEngine) -> None:
         """Gauges read the engine's own accounting when scraped, so they are never stale."""
-        store = engine.store
+        store, compression = engine.store, engine.compression
         self.running.set_function(lambda: engine.num_running)
         self.waiting.set_function(lambda: engine.num_waiting)
-        self.kv_memory.set_function(lambda: store.used_bytes)
+        self.kv_memory.set_function(lambda: store.used_bytes + compression.audit_bytes)
         self.kv_pool.labels("running").set_function(lambda: store.used_bytes)
+        self.kv_pool.labels("audit").set_function(lambda: compression.audit_bytes)
         self.kv_capacity.set_function(lambda: store.max_bytes)
         self.kv_usage.set_function(lambda: store.used_bytes / store.max_bytes)
 

@@ -226,8 +226,8 @@ def overhead_table(overhead: dict, args) -> str:
     off, on = overhead["compression off"], overhead["dynamic 0.6"]
     return "\n".join(
         [
-            f"Compression overhead: {args.overhead_seqs} sequences of {args.overhead_prompt_tokens} prompt tokens decoding "
-            f"together, {args.threads} CPU threads.",
+            f"Compression overhead: {args.overhead_seqs} sequences of {args.overhead_prompt_tokens} prompt "
+            f"tokens decoding together, {args.threads} CPU threads.",
             "",
             "| | median decode step | compression engine share of the step (mean / max) |",
             "| --- | ---: | ---: |",

@@ -208,14 +208,18 @@ def test_metrics_count_requests_and_tokens(server):
 LONG_PROMPT = " ".join(f"Item {i} is stored in box {i * 7 % 13}." for i in range(120))
 
 
-def test_compression_stats_report_metrics(server):
-    body = {
+def stats_request(policy: str, rate: float, max_tokens: int) -> dict:
+    return {
         "prompt": LONG_PROMPT,
-        "max_tokens": 20,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "compression_stats": True,
-        "compression": {"policy": "dynamic", "compression_rate": 0.85},
+        "compression": {"policy": policy, "compression_rate": rate},
     }
+
+
+def test_compression_stats_report_metrics(server):
+    body = stats_request("dynamic", 0.85, 20)
     metrics = post(server, body).json()["compression_metrics"]
     assert set(metrics) == {
         "original_size",
@@ -240,14 +244,7 @@ def test_compression_stats_report_metrics(server):
 def test_compression_can_be_turned_off_server_wide(default_path):
     srv = LiveServer("--model-path", str(default_path), "--max-cache-size", "256", "--compression-enabled", "false")
     try:
-        body = {
-            "prompt": LONG_PROMPT,
-            "max_tokens": 8,
-            "temperature": 0,
-            "compression_stats": True,
-            "compression": {"policy": "h2o", "compression_rate": 0.8},
-        }
-        metrics = post(srv, body).json()["compression_metrics"]
+        metrics = post(srv, stats_request("h2o", 0.8, 8)).json()["compression_metrics"]
         assert metrics["policy"] == "none" and metrics["entries"]["dropped"] == 0
         assert metrics["compression_ratio"] >= 1.0
     finally:
