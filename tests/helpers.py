@@ -30,6 +30,7 @@ _DECODER = dict(
 TINY_CONFIGS = {
     "llama": dict(model_type="llama", **_DECODER),
     "qwen2": dict(model_type="qwen2", **_DECODER),
+    "mistral": dict(model_type="mistral", **_DECODER),
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=512),
 }
 

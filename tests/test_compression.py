@@ -199,3 +199,19 @@ def test_kv_store_tiers_account_exactly():
 
 def test_config_file_matches_model_defaults():
     assert CompressionConfig.load() == CompressionConfig()
+
+
+def test_dynamic_budget_compresses_harder_only_while_confident():
+    from compression.engine import CompressionEngine
+
+    engine = CompressionEngine(KVStore(num_layers=1, num_kv_heads=1, head_dim=4, max_bytes=10**6))
+    config = CompressionConfig()
+    for seq_id, policy in ((1, "dynamic"), (2, "h2o")):
+        engine.register(seq_id, resolve(config, {"policy": policy, "compression_rate": 0.6}, True, False), 10)
+    dynamic, baseline = engine.states[1], engine.states[2]
+    dynamic.confidences = [0.3] * 16  # unsure: keep all the rate allows
+    assert engine.target_rate(dynamic) == 0.6
+    dynamic.confidences = [0.99] * 16  # sure: remove part of what is left too, never less than the rate
+    assert 0.6 < engine.target_rate(dynamic) <= 0.6 + config.confident_extra_rate * 0.4
+    baseline.confidences = [0.99] * 16
+    assert engine.target_rate(baseline) == 0.6

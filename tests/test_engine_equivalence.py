@@ -51,7 +51,7 @@ def assert_same_greedy(got: list[int], got_logits, want: list[int], want_logits:
         return
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
 def test_tiny_models_match_generate(family, tokenizer):
     model = tiny_model(family, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
     rng = random.Random(family)
