@@ -15,7 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from app.detokenizer import IncrementalDetokenizer
 from app.model_runner import ModelRunner
-from app.sampler import sample
+from app.sampler import SampleOutput, sample
 from app.scheduler import Scheduler
 from app.sequence import FinishReason, SamplingParams, Sequence
 from compression.config import CompressionConfig, CompressionParams, resolve
@@ -187,7 +187,9 @@ class LLMEngine:
         return outputs
 
     # ----- internals ---------------------------------------------------------------------
-    def _append_token(self, seq: Sequence, result, outputs: list[RequestOutput], finished: list[Sequence]) -> None:
+    def _append_token(
+        self, seq: Sequence, result: SampleOutput, outputs: list[RequestOutput], finished: list[Sequence]
+    ) -> None:
         if result.token_id is None:
             self._finish(seq, FinishReason.ERROR, outputs, finished, error=result.error)
             return
@@ -195,7 +197,6 @@ class LLMEngine:
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         seq.token_ids.append(token)
-        seq.confidences.append((result.top_prob, result.entropy))
         reason = None
         if token in self.eos_token_ids and not seq.params.ignore_eos:
             reason = FinishReason.STOP

@@ -55,7 +55,6 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_preemptions: int = 0
-    confidences: list[tuple[float, float]] = field(default_factory=list)  # (top prob, entropy)
     generator: torch.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
