@@ -41,18 +41,19 @@ def quantize(x: torch.Tensor, bits: int) -> Quantized:
         scale, lo = scale.to(SCALE_DTYPE), lo.to(SCALE_DTYPE)
         q = torch.round((x.float() - lo.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).clamp_(0, 15)
         q = q.to(torch.uint8)
-        codes = q[..., 0::2] | (q[..., 1::2] << 4)
+        # Low nibbles hold the first half of the dimensions, high nibbles the second half, so that
+        # unpacking is one concatenation rather than an interleave.
+        half = q.shape[-1] // 2
+        codes = q[..., :half] | (q[..., half:] << 4)
         return Quantized(codes, scale, lo, 4)
     raise ValueError(f"unsupported bit width {bits}; use 4 or 8")
 
 
 def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     if q.bits == 8:
-        return q.codes.to(dtype) * q.scale.to(dtype).unsqueeze(-1)
-    low = (q.codes & 0x0F).to(dtype)
-    high = (q.codes >> 4).to(dtype)
-    values = torch.stack((low, high), dim=-1).flatten(-2)
-    return values * q.scale.to(dtype).unsqueeze(-1) + q.minimum.to(dtype).unsqueeze(-1)
+        return q.codes.to(dtype).mul_(q.scale.to(dtype).unsqueeze(-1))
+    values = torch.cat((q.codes & 0x0F, q.codes >> 4), dim=-1).to(dtype)
+    return values.mul_(q.scale.to(dtype).unsqueeze(-1)).add_(q.minimum.to(dtype).unsqueeze(-1))
 
 
 def bytes_per_vector(head_dim: int, bits: int) -> int:
