@@ -206,8 +206,8 @@ class CompressionEngine:
         store = self.store
         rate = self.target_rate(state)
         per_token = store.model_token_bytes / store.num_layers
-        # Buffers are sized in chunks: leave room for that rounding so the held bytes meet the target.
         full_bytes, key_only_bytes = store.entry_bytes(store.codec_of(seq_id))
+        # Buffers are sized in chunks: leave room for that rounding so the held bytes meet the target.
         budget = (1.0 - rate) * num_tokens * per_token - GROWTH_CHUNK * full_bytes
         confidence = self._token_confidence(state, num_tokens)
         for layer in range(store.num_layers):
@@ -216,7 +216,7 @@ class CompressionEngine:
             positions = kv.positions[:n]
             protected = (positions < params.sink_tokens) | (positions > num_tokens - 1 - params.recent_window)
             entries = LayerEntries(
-                keys=store.view(seq_id, layer).keys,  # a view, no copy, at float storage
+                keys=store.view(seq_id, layer).keys if state.policy.uses_keys else None,
                 positions=positions,
                 attention=kv.attention[:n],
                 token_confidence=confidence[positions],

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 class LayerEntries:
     """What a policy may look at for the entries one layer of one sequence holds."""
 
-    keys: torch.Tensor  # [kv_heads, n, head_dim]
+    keys: torch.Tensor | None  # [kv_heads, n, head_dim], for policies that use keys
     positions: torch.Tensor  # [n]
     attention: torch.Tensor  # [n] observed attention, accumulated by the policy's rule
     token_confidence: torch.Tensor  # [n] top-token probability when the entry's token was sampled (1 for prompt)
@@ -33,6 +33,7 @@ class ScorePolicy:
     name = "base"
     uses_tiers = False  # may the policy keep entries as KEY_ONLY?
     uses_attention = True  # does it need attention observations?
+    uses_keys = False  # does it read the keys (dequantised at quantised storage)?
 
     def accumulate(self, previous: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
         return previous + observed
@@ -95,6 +96,7 @@ class KNorm(ScorePolicy):
 
     name = "knorm"
     uses_attention = False
+    uses_keys = True
 
     def score(self, entries: LayerEntries) -> torch.Tensor:
         return -entries.keys.float().norm(dim=-1).mean(dim=0)
