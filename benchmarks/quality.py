@@ -170,7 +170,7 @@ def report(rows: list[Row], args, needles, summaries) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text("# Quality benchmark\n\n" + table + "\n")
     args.out.with_suffix(".json").write_text(
-        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": [asdict(r) for r in rows]}, indent=2)
+        json.dumps({"args": {k: str(v) for k, v in vars(args).items() if k != "out"}, "rows": [asdict(r) for r in rows]}, indent=2)
     )
     plot(rows, args.out.with_suffix(".png"))
 
