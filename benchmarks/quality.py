@@ -169,8 +169,9 @@ def report(rows: list[Row], args, needles, summaries) -> None:
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text("# Quality benchmark\n\n" + table + "\n")
+    settings = {k: str(v) for k, v in vars(args).items() if k != "out"}
     args.out.with_suffix(".json").write_text(
-        json.dumps({"args": {k: str(v) for k, v in vars(args).items() if k != "out"}, "rows": [asdict(r) for r in rows]}, indent=2)
+        json.dumps({"args": settings, "rows": [asdict(r) for r in rows]}, indent=2)
     )
     plot(rows, args.out.with_suffix(".png"))
 
