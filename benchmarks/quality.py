@@ -68,7 +68,7 @@ def setups(rates: list[float]) -> list[Setup]:
 
 
 def run_setup(
-    model, tokenizer, setup: Setup, prompts: dict[str, list[int]], max_tokens: dict[str, int], threads_note: str
+    model, tokenizer, setup: Setup, prompts: dict[str, list[int]], max_tokens: dict[str, int]
 ) -> tuple[dict[str, str], dict[str, dict], float]:
     config = CompressionConfig()
     engine = LLMEngine(
@@ -125,7 +125,7 @@ def main() -> None:
     rows: list[Row] = []
     reference: dict[str, str] = {}
     for setup in tqdm(plan, desc="quality benchmark", unit="setup"):
-        texts, metrics, seconds = run_setup(model, tokenizer, setup, prompts, max_tokens, "")
+        texts, metrics, seconds = run_setup(model, tokenizer, setup, prompts, max_tokens)
         if setup.label == "uncompressed":
             reference = texts
         row = Row(setup, seconds=seconds, outputs=texts)
