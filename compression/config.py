@@ -55,7 +55,7 @@ class CompressionConfig(BaseModel):
     key_only_value_bits: Literal[4, 8] = 4
     attention_decay: float = Field(0.95, gt=0.0, le=1.0, description="per-observation decay of dynamic scores")
     confident_extra_rate: float = Field(
-        0.25,
+        0.1,
         ge=0.0,
         le=1.0,
         description="share of the remaining bytes the dynamic budget also removes while the model is confident",

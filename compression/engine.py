@@ -144,7 +144,8 @@ class CompressionEngine:
             decode = state.prefilled and len(chunk.token_ids) == 1
             if not state.prefilled and chunk.needs_logits:
                 if state.policy.uses_attention:
-                    chunk.observe = min(state.params.observation_window, len(chunk.token_ids))
+                    window = state.policy.observation_window or state.params.observation_window
+                    chunk.observe = min(window, len(chunk.token_ids))
             elif decode and state.policy.uses_attention and state.decode_steps % state.params.score_interval == 0:
                 chunk.observe = 1
             chunk.audit = decode and state.params.stats

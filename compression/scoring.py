@@ -34,6 +34,7 @@ class ScorePolicy:
     uses_tiers = False  # may the policy keep entries as KEY_ONLY?
     uses_attention = True  # does it need attention observations?
     uses_keys = False  # does it read the keys (dequantised at quantised storage)?
+    observation_window: int | None = None  # prompt queries observed at the end of prefill (None: the config's)
 
     def accumulate(self, previous: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
         return previous + observed
@@ -68,6 +69,7 @@ class TOVA(ScorePolicy):
     """Attention of the latest observed query only."""
 
     name = "tova"
+    observation_window = 1
 
     def accumulate(self, previous: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
         return observed
