@@ -17,6 +17,8 @@ from sse_starlette.sse import EventSourceResponse
 from app.async_engine import AsyncEngine, EngineDeadError
 from app.engine import EngineConfig, LLMEngine
 from app.metrics import Metrics
+from app.openai_api import router as openai_router
+from app.openai_serving import OpenAIService
 from app.schemas import ErrorResponse, GenerateRequest, GenerateResponse
 from app.serving import APIError, GenerateService
 from app.settings import Settings
@@ -59,6 +61,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.metrics = metrics
         app.state.engine = runner
         app.state.service = GenerateService(runner, engine.tokenizer, settings, metrics)
+        app.state.openai = OpenAIService(app.state.service, settings.model_name())
         log.info("ready on %s:%d", settings.host, settings.port)
         try:
             yield
@@ -72,13 +75,15 @@ def create_app(settings: Settings) -> FastAPI:
         responses={413: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
     )
 
+    app.include_router(openai_router)
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error(exc.status, exc.type, exc.message, exc.headers)
+        return _error(request, exc.status, exc.type, exc.message, exc.headers, exc.param)
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return _error(503, "engine_unavailable", f"{exc}; restart the server", {"Retry-After": "5"})
+        return _error(request, 503, "engine_unavailable", f"{exc}; restart the server", {"Retry-After": "5"})
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -87,8 +92,11 @@ def create_app(settings: Settings) -> FastAPI:
         message = "; ".join(
             f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in errors
         )
+        openai = _is_openai(request)
         if hasattr(request.app.state, "metrics"):
-            request.app.state.metrics.requests.labels("422").inc()
+            request.app.state.metrics.requests.labels("400" if openai else "422").inc()
+        if openai:  # OpenAI answers invalid parameters with 400 and names the first in `param`
+            return _error(request, 400, "invalid_request", message, param=fields.split(", ")[0])
         body = {"error": {"type": "invalid_request", "message": message, "fields": fields}, "detail": _jsonable(errors)}
         return JSONResponse(status_code=422, content=body)
 
@@ -125,8 +133,26 @@ def _service(request: Request) -> GenerateService:
     return request.app.state.service
 
 
-def _error(status: int, type_: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"type": type_, "message": message}}, headers=headers)
+def _is_openai(request: Request) -> bool:
+    return request.url.path.startswith(openai_router.prefix + "/")
+
+
+def _error(
+    request: Request,
+    status: int,
+    type_: str,
+    message: str,
+    headers: dict[str, str] | None = None,
+    param: str | None = None,
+) -> JSONResponse:
+    """Our error body; on the OpenAI routes OpenAI's shape, with our type as its `code`."""
+    if _is_openai(request):
+        status = 400 if status == 422 else status  # OpenAI has no 422
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        error = {"message": message, "type": kind, "param": param, "code": type_}
+    else:
+        error = {"type": type_, "message": message, **({"fields": param} if param else {})}
+    return JSONResponse(status_code=status, content={"error": error}, headers=headers)
 
 
 def _jsonable(errors: list[dict]) -> list[dict]:

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from app.detokenizer import IncrementalDetokenizer
 from app.model_runner import ModelRunner
-from app.sampler import SampleOutput, sample
+from app.sampler import SampleOutput, TokenLogprob, sample
 from app.scheduler import Scheduler
 from app.sequence import FinishReason, SamplingParams, Sequence
 from compression.config import CompressionConfig, CompressionParams, resolve
@@ -44,6 +44,7 @@ class RequestOutput:
     cached_prompt_tokens: int = 0
     error: str | None = None
     compression_metrics: dict | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of new_token_ids, when asked for
 
 
 @dataclass
@@ -211,10 +212,11 @@ class LLMEngine:
                 len(seq.output_token_ids) >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len
             ):
                 reason = FinishReason.LENGTH
+        logprobs = [result.logprob] if result.logprob is not None else []
         if reason is None:
-            outputs.append(self._output(seq, [token], final=False))
+            outputs.append(self._output(seq, [token], final=False, logprobs=logprobs))
         else:
-            self._finish(seq, reason, outputs, finished, new_tokens=[token])
+            self._finish(seq, reason, outputs, finished, new_tokens=[token], logprobs=logprobs)
 
     def _finish(
         self,
@@ -224,14 +226,20 @@ class LLMEngine:
         finished: list[Sequence],
         error: str | None = None,
         new_tokens: list[int] | None = None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         metrics = self.compression.release(seq.seq_id, seq.num_computed)
         self.scheduler.finish(seq, reason, error)
-        outputs.append(self._output(seq, new_tokens or [], final=True, metrics=metrics))
+        outputs.append(self._output(seq, new_tokens or [], final=True, metrics=metrics, logprobs=logprobs))
         finished.append(seq)
 
     def _output(
-        self, seq: Sequence, new_tokens: list[int], final: bool, metrics: CompressionMetrics | None = None
+        self,
+        seq: Sequence,
+        new_tokens: list[int],
+        final: bool,
+        metrics: CompressionMetrics | None = None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> RequestOutput:
         detok = self._detok[seq.seq_id]
         out = RequestOutput(
@@ -244,6 +252,7 @@ class LLMEngine:
             completion_tokens=len(seq.output_token_ids),
             error=seq.error,
             compression_metrics=asdict(metrics) if metrics is not None else None,
+            logprobs=logprobs or [],
         )
         if final:
             del self._detok[seq.seq_id]

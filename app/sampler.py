@@ -1,7 +1,9 @@
 """Turns logits into tokens: greedy, temperature, top-k, top-p, per-request seeds.
 
 Besides the token it reports how sure the model was (probability of the top token and entropy
-of the distribution the token was drawn from), which the compression engine uses as a signal.
+of the distribution the token was drawn from), which the compression engine uses as a signal, and,
+for requests that ask, log-probabilities of the model's own distribution (before temperature and
+cuts, as OpenAI's API reports them).
 """
 
 from __future__ import annotations
@@ -14,11 +16,19 @@ from app.sequence import SamplingParams
 
 
 @dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens and their log-probabilities, best first
+
+
+@dataclass
 class SampleOutput:
     token_id: int | None  # None when sampling failed for this row
     top_prob: float
     entropy: float
     error: str | None = None
+    logprob: TokenLogprob | None = None  # only when the request asked for logprobs
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[SampleOutput]:
@@ -38,8 +48,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             outputs.append(SampleOutput(None, 0.0, 0.0, "the model produced non-finite logits"))
             continue
         token = int(greedy_ids[row]) if p.greedy else _draw(logprobs[row], p, gen)
-        outputs.append(SampleOutput(token, float(top_prob[row]), float(entropy[row])))
+        report = _logprob(logits[row], token, p.logprobs) if p.logprobs is not None else None
+        outputs.append(SampleOutput(token, float(top_prob[row]), float(entropy[row]), logprob=report))
     return outputs
+
+
+def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(raw, top) if top else None
+    alternatives = list(zip(best.indices.tolist(), best.values.tolist(), strict=True)) if best is not None else []
+    return TokenLogprob(token, float(raw[token]), alternatives)
 
 
 def _draw(logprobs: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -33,8 +33,11 @@ class CompressionOptions(_Strict):
 
 
 class GenerateRequest(_Strict):
-    prompt: str | None = Field(None, min_length=1, description="plain text prompt (or give messages)")
+    prompt: str | None = Field(None, min_length=1, description="plain text prompt (or give messages or token ids)")
     messages: list[ChatMessage] | None = Field(None, min_length=1, description="chat, formatted by the chat template")
+    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, min_length=1, description="the prompt as token ids (or give prompt or messages)"
+    )
     max_tokens: int | None = Field(None, ge=1, description="most tokens to generate; default from the server")
     temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 means greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -47,8 +50,8 @@ class GenerateRequest(_Strict):
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+        if sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)) != 1:
+            raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
         return self

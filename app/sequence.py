@@ -19,6 +19,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # report the sampled token's log-probability and this many alternatives
 
     @property
     def greedy(self) -> bool:

@@ -23,9 +23,16 @@ from compression.config import CompressionParams, resolve
 class APIError(Exception):
     """An error the client should see, with its HTTP status and a message saying what to do."""
 
-    def __init__(self, status: int, type_: str, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        type_: str,
+        message: str,
+        headers: dict[str, str] | None = None,
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
-        self.status, self.type, self.message, self.headers = status, type_, message, headers
+        self.status, self.type, self.message, self.headers, self.param = status, type_, message, headers, param
 
 
 @dataclass
@@ -53,7 +60,8 @@ class GenerateService:
         self.max_model_len = engine.engine.max_model_len
         self.compression_config = engine.engine.compression_config
 
-    def prepare(self, req: GenerateRequest) -> PreparedRequest:
+    def prepare(self, req: GenerateRequest, logprobs: int | None = None, id_prefix: str = "gen") -> PreparedRequest:
+        """Tokenize and check a request; raise APIError if it cannot be served."""
         arrival = time.monotonic()
         if self.engine.num_pending >= self.settings.max_queue_size + self.settings.max_num_seqs:
             self._refuse(503)
@@ -93,11 +101,23 @@ class GenerateService:
             top_k=req.top_k,
             seed=req.seed,
             stop=tuple(req.stop),
+            logprobs=logprobs,
         )
-        return PreparedRequest(f"gen-{uuid.uuid4().hex}", ids, params, compression, arrival)
+        return PreparedRequest(f"{id_prefix}-{uuid.uuid4().hex}", ids, params, compression, arrival)
 
     async def generate(self, prepared: PreparedRequest, http_request: Request) -> GenerateResponse:
-        """Run to the end; abort if the client goes away first."""
+        outputs = await self.run(prepared, http_request)
+        last = outputs[-1]
+        return GenerateResponse(
+            id=prepared.request_id,
+            text="".join(out.delta_text for out in outputs),
+            finish_reason=last.finish_reason,
+            usage=_usage(last),
+            compression_metrics=prepared.metrics_of(last),
+        )
+
+    async def run(self, prepared: PreparedRequest, http_request: Request) -> list[RequestOutput]:
+        """Every output of the request, to the end; abort if the client goes away first."""
         collect = asyncio.ensure_future(self._collect(prepared))
         watch = asyncio.ensure_future(_wait_disconnect(http_request))
         try:
@@ -111,7 +131,7 @@ class GenerateService:
 
     async def stream(self, prepared: PreparedRequest) -> AsyncIterator[str]:
         """Server-sent events, one JSON chunk per token piece; the last has finish reason and usage."""
-        async for out in self._outputs(prepared):
+        async for out in self.outputs(prepared):
             if out.finished:
                 chunk = StreamChunk(
                     id=prepared.request_id,
@@ -127,22 +147,8 @@ class GenerateService:
                 continue  # text held back (possible stop string or partial character)
             yield chunk.model_dump_json(exclude_none=True)
 
-    # ----- internals ---------------------------------------------------------------------
-    async def _collect(self, prepared: PreparedRequest) -> GenerateResponse:
-        parts: list[str] = []
-        async for out in self._outputs(prepared):
-            parts.append(out.delta_text)
-        if out.error is not None:
-            raise APIError(500, "engine_error", f"the request failed inside the engine: {out.error}")
-        return GenerateResponse(
-            id=prepared.request_id,
-            text="".join(parts),
-            finish_reason=out.finish_reason,
-            usage=_usage(out),
-            compression_metrics=prepared.metrics_of(out),
-        )
-
-    async def _outputs(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
+    async def outputs(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as the engine makes them; closing the iterator aborts the request."""
         first: float | None = None
         last: RequestOutput | None = None
         try:
@@ -165,6 +171,13 @@ class GenerateService:
                 None if first is None else first - prepared.arrival,
             )
 
+    # ----- internals ---------------------------------------------------------------------
+    async def _collect(self, prepared: PreparedRequest) -> list[RequestOutput]:
+        outputs = [out async for out in self.outputs(prepared)]
+        if outputs[-1].error is not None:
+            raise APIError(500, "engine_error", f"the request failed inside the engine: {outputs[-1].error}")
+        return outputs
+
     def _tokenize(self, req: GenerateRequest) -> list[int]:
         if req.messages is not None:
             if not getattr(self.tokenizer, "chat_template", None):
@@ -173,6 +186,12 @@ class GenerateService:
                 [m.model_dump() for m in req.messages], tokenize=False, add_generation_prompt=True
             )
             ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        elif req.prompt_token_ids is not None:
+            ids = req.prompt_token_ids
+            vocab = len(self.tokenizer)
+            if max(ids) >= vocab:
+                message = f"token id {max(ids)} of the prompt is outside the vocabulary (0-{vocab - 1})"
+                raise APIError(422, "invalid_request", message, param="prompt_token_ids")
         else:
             ids = self.tokenizer(req.prompt).input_ids
         if not ids:

@@ -13,6 +13,8 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from compression.config import DEFAULT_FILE as DEFAULT_COMPRESSION_FILE
 from compression.config import CompressionConfig, parse_size
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
@@ -27,6 +29,9 @@ class Settings(BaseSettings):
 
     config: Path | None = Field(None, description="YAML file with any of these settings (flags and env win)")
     model_path: Path | None = Field(None, description="local Hugging Face model folder; default: the embedded model")
+    served_model_name: str | None = Field(
+        None, description="model name clients give (OpenAI routes); default: the model folder's name"
+    )
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 for all interfaces)")
     port: int = Field(8080, ge=1, le=65535)
     compression_enabled: bool = Field(True, description="compress the KV cache while generating")
@@ -79,6 +84,9 @@ class Settings(BaseSettings):
         if self.dtype != "auto":
             return getattr(torch, self.dtype)
         return model_dtype if self.resolved_device().type == "cuda" else torch.float32
+
+    def model_name(self) -> str:
+        return self.served_model_name or (self.model_path.name if self.model_path else DEFAULT_MODEL_NAME)
 
     def compression(self) -> CompressionConfig:
         return CompressionConfig.load(self.compression_config or DEFAULT_COMPRESSION_FILE)

@@ -6,6 +6,7 @@ from transformers import AutoTokenizer
 
 from models.default_model import default_model_path
 from models.loader import load_model
+from tests.helpers import LiveServer
 
 torch.set_num_threads(2)
 
@@ -24,3 +25,11 @@ def tokenizer(default_path):
 def default_model(default_path):
     model, _ = load_model(default_path, torch.device("cpu"))
     return model
+
+
+@pytest.fixture(scope="session")
+def server(default_path):
+    """The real server on loopback with the default model, shared by the live tests."""
+    srv = LiveServer("--model-path", str(default_path), "--max-cache-size", "256", "--max-num-seqs", "8")
+    yield srv
+    srv.stop()

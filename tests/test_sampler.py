@@ -44,3 +44,16 @@ def test_non_finite_logits_fail_only_their_row():
     out = sample(logits, [SamplingParams(temperature=0.0)] * 2, [gen(0), gen(0)])
     assert out[0].token_id is None and "non-finite" in out[0].error
     assert out[1].token_id == 0
+
+
+def test_logprobs_are_the_models_own_before_temperature():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 50)
+    params = [SamplingParams(temperature=0.7, logprobs=3), SamplingParams(temperature=0.0)]
+    out = sample(logits, params, [gen(0), gen(0)])
+    raw = logits[0].log_softmax(-1)
+    report = out[0].logprob
+    assert report.token_id == out[0].token_id
+    assert abs(report.logprob - float(raw[report.token_id])) < 1e-6
+    assert [t for t, _ in report.top] == raw.topk(3).indices.tolist()
+    assert out[1].logprob is None  # only requests that ask pay for it

@@ -14,13 +14,6 @@ from tests.helpers import LiveServer
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def server(default_path):
-    srv = LiveServer("--model-path", str(default_path), "--max-cache-size", "256", "--max-num-seqs", "8")
-    yield srv
-    srv.stop()
-
-
 def post(server, body, timeout=120):
     return httpx.post(f"{server.url}/generate", json=body, timeout=timeout)
 
@@ -130,6 +123,9 @@ def test_seeds_reproduce_under_concurrency(server):
         ({"prompt": "a", "stop": [""]}, "body"),
         ({"prompt": "a", "unknown_field": True}, "unknown_field"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+        ({"prompt_token_ids": [1, -2]}, "prompt_token_ids.1"),
+        ({"prompt_token_ids": [10**7]}, "prompt_token_ids"),
+        ({"prompt": "a", "prompt_token_ids": [1]}, "body"),
     ],
 )
 def test_bad_input_gets_422_naming_the_field(server, body, field):
@@ -138,6 +134,13 @@ def test_bad_input_gets_422_naming_the_field(server, body, field):
     error = r.json()["error"]
     assert error["type"] == "invalid_request"
     assert field in error["fields"]
+
+
+def test_prompt_token_ids_equal_the_text_prompt(server, tokenizer):
+    text = post(server, {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}).json()
+    ids = tokenizer("The capital of France is").input_ids
+    by_ids = post(server, {"prompt_token_ids": ids, "max_tokens": 8, "temperature": 0}).json()
+    assert by_ids["text"] == text["text"] and by_ids["usage"] == text["usage"]
 
 
 def test_valid_compression_options_are_accepted(server):

@@ -43,3 +43,9 @@ def test_bad_sizes_are_refused(text):
 def test_missing_config_file_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_settings(["--config", str(tmp_path / "nope.yaml")])
+
+
+def test_model_name_served_to_openai_clients(tmp_path):
+    assert load_settings([]).model_name() == "SmolLM2-135M-Instruct"
+    assert load_settings(["--model-path", str(tmp_path / "my-model")]).model_name() == "my-model"
+    assert load_settings(["--served-model-name", "chat", "--model-path", str(tmp_path)]).model_name() == "chat"

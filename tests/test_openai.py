@@ -1,0 +1,158 @@
+"""The OpenAI-compatible routes, driven by the official `openai` client against the live server."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from models.default_model import FOLDER_NAME
+
+pytestmark = pytest.mark.slow
+
+MODEL = FOLDER_NAME  # the server is started with --model-path: the model is named after its folder
+QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def generate(server, body: dict) -> dict:
+    r = httpx.post(f"{server.url}/generate", json={"temperature": 0, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_models_lists_the_served_model(client, server):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].owned_by == "conf-kv"
+
+
+def test_completion_matches_generate(client, server, tokenizer):
+    want = generate(server, {"prompt": "The capital of France is", "max_tokens": 12, "stop": ["\n\n"]})
+    got = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0, stop="\n\n"
+    )
+    assert got.object == "text_completion" and got.id.startswith("cmpl-")
+    assert got.choices[0].text == want["text"]
+    assert got.choices[0].finish_reason == want["finish_reason"]
+    assert got.usage.prompt_tokens == want["usage"]["prompt_tokens"]
+    assert got.usage.completion_tokens == want["usage"]["completion_tokens"]
+    assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
+    # The same prompt as token ids gives the same text.
+    ids = tokenizer("The capital of France is").input_ids
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0, stop="\n\n")
+    assert by_ids.choices[0].text == want["text"]
+
+
+
+
+def test_chat_matches_generate_sync_and_streaming(client, server):
+    want = generate(server, {"messages": QUESTION, "max_tokens": 24})
+    got = client.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=24, temperature=0)
+    assert got.object == "chat.completion" and got.id.startswith("chatcmpl-")
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want["text"]
+    assert got.usage.prompt_tokens == want["usage"]["prompt_tokens"]
+    assert got.usage.prompt_tokens_details.cached_tokens == 0
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want["text"]
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in finishing] == [want["finish_reason"]]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == want["usage"]["completion_tokens"]
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_stream_equals_non_stream(client):
+    kwargs = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 20, "temperature": 0}
+    whole = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_compression_extensions_pass_as_extra_body(client, server):
+    extra = {"compression": {"policy": "h2o", "compression_rate": 0.5}, "compression_stats": True}
+    got = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0, extra_body=extra)
+    metrics = got.model_extra["compression_metrics"]
+    assert metrics["policy"] == "h2o" and metrics["original_size"] > 0
+    # Streaming: on the last chunk before [DONE] only.
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=16, temperature=0, stream=True, extra_body=extra
+        )
+    )
+    assert chunks[-1].model_extra["compression_metrics"]["policy"] == "h2o"
+    assert not any("compression_metrics" in (c.model_extra or {}) for c in chunks[:-1])
+    plain = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0)
+    assert "compression_metrics" not in (plain.model_extra or {})
+
+
+def test_logprobs_chat_and_completion(client):
+    got = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = got.choices[0].logprobs.content
+    assert len(content) == got.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True) and values[0] <= 0.0
+        assert entry.token == entry.top_logprobs[0].token  # greedy takes the most likely token
+        assert entry.logprob == pytest.approx(values[0])
+        assert bytes(entry.bytes).decode(errors="replace") == entry.token
+    completion = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=5, temperature=0, logprobs=2)
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
+    assert "".join(logprobs.tokens) == completion.choices[0].text
+    assert logprobs.text_offset[0] == 0 and all(len(t) == 2 for t in logprobs.top_logprobs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"temperature": 3.0}, "temperature"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"extra_body": {"bogus": 1}}, "bogus"),
+        ({"extra_body": {"compression": {"policy": "magic"}}}, "compression.policy"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+        ({"top_logprobs": 2}, "body"),
+    ],
+)
+def test_bad_chat_requests_get_openai_errors_naming_the_field(client, kwargs, param):
+    request = {"model": MODEL, "messages": QUESTION, "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**request)
+    error = caught.value.body
+    assert caught.value.status_code == 400
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert param.split(".")[-1] in error["message"] or param == "body"
+
+
+def test_unknown_model_and_oversized_prompts(client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-4", messages=QUESTION)
+    assert caught.value.body["code"] == "model_not_found" and MODEL in caught.value.body["message"]
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(model=MODEL, prompt="word " * 9000, max_tokens=4)
+    assert caught.value.status_code == 413
+    assert caught.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=[10**7], max_tokens=4)
+    assert caught.value.body["param"] == "prompt" and "vocabulary" in caught.value.body["message"]
