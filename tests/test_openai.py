@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -156,3 +158,22 @@ def test_unknown_model_and_oversized_prompts(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt=[10**7], max_tokens=4)
     assert caught.value.body["param"] == "prompt" and "vocabulary" in caught.value.body["message"]
+
+
+def test_stream_client_going_away_gives_memory_back(client, server):
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count from 1 to 1000."}],
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+    )
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    deadline = time.monotonic() + 10
+    while server.metric("kv_cache_memory_bytes") != 0.0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.metric("kv_cache_memory_bytes") == 0.0
+    assert server.metric("requests_running") == 0
