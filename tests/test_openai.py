@@ -50,8 +50,6 @@ def test_completion_matches_generate(client, server, tokenizer):
     assert by_ids.choices[0].text == want["text"]
 
 
-
-
 def test_chat_matches_generate_sync_and_streaming(client, server):
     want = generate(server, {"messages": QUESTION, "max_tokens": 24})
     got = client.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=24, temperature=0)
