@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from fastapi import Request
 from transformers import PreTrainedTokenizerBase
@@ -36,6 +37,8 @@ from app.sampler import TokenLogprob
 from app.schemas import ChatMessage, GenerateRequest
 from app.serving import APIError, GenerateService, PreparedRequest
 
+_Built = TypeVar("_Built", CompletionResponse, ChatCompletionResponse, CompletionChunk, ChatCompletionChunk)
+
 # OpenAI's system role was renamed "developer"; chat templates know "system".
 _ROLES = {"developer": "system"}
 
@@ -62,44 +65,23 @@ class OpenAIService:
 
     async def completion(self, req: CompletionRequest, prepared: PreparedRequest, http: Request) -> CompletionResponse:
         outputs = await self.service.run(prepared, http)
-        last = outputs[-1]
         choice = CompletionChoice(
             text="".join(o.delta_text for o in outputs),
             logprobs=self._completion_logprobs(outputs) if req.logprobs is not None else None,
-            finish_reason=last.finish_reason,
+            finish_reason=outputs[-1].finish_reason,
         )
-        return CompletionResponse(
-            id=prepared.request_id,
-            created=int(time.time()),
-            model=self.model_name,
-            choices=[choice],
-            usage=_usage(last),
-            compression_metrics=prepared.metrics_of(last),
-        )
+        return self._build(CompletionResponse, prepared, [choice], **self._final(prepared, outputs[-1]))
 
-    async def completion_stream(self, req: CompletionRequest, prepared: PreparedRequest) -> AsyncIterator[str]:
-        def chunk(choices: list[CompletionChoice], **extra) -> CompletionChunk:
-            return CompletionChunk(
-                id=prepared.request_id, created=int(time.time()), model=self.model_name, choices=choices, **extra
-            )
+    def completion_stream(self, req: CompletionRequest, prepared: PreparedRequest) -> AsyncIterator[str]:
+        offset = 0  # of the next piece in the whole text, for the legacy logprobs format
 
-        offset = 0
-        async for out in self.service.outputs(prepared):
-            if not out.delta_text and not out.finished:
-                continue  # text held back (possible stop string or partial character)
-            if out.error is not None:
-                yield _stream_error(out)
-                break
+        def choice(out: RequestOutput) -> CompletionChoice:
+            nonlocal offset
             logprobs = self._completion_logprobs([out], offset) if req.logprobs is not None else None
             offset += len(out.delta_text)
-            choice = CompletionChoice(text=out.delta_text, logprobs=logprobs, finish_reason=out.finish_reason)
-            if out.finished:
-                yield _dump(chunk([choice], **self._final_fields(req, prepared, out, usage_chunk=False)))
-                if req.include_usage:
-                    yield _dump(chunk([], **self._final_fields(req, prepared, out, usage_chunk=True)))
-            else:
-                yield _dump(chunk([choice]))
-        yield "[DONE]"
+            return CompletionChoice(text=out.delta_text, logprobs=logprobs, finish_reason=out.finish_reason)
+
+        return self._stream(CompletionChunk, req, prepared, choice)
 
     # ----- chat completions --------------------------------------------------------------
     def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
@@ -111,46 +93,23 @@ class OpenAIService:
         self, req: ChatCompletionRequest, prepared: PreparedRequest, http: Request
     ) -> ChatCompletionResponse:
         outputs = await self.service.run(prepared, http)
-        last = outputs[-1]
         choice = ChatChoice(
             message=ChatMessageOut(content="".join(o.delta_text for o in outputs)),
             logprobs=self._chat_logprobs(outputs) if req.logprobs else None,
-            finish_reason=last.finish_reason,
+            finish_reason=outputs[-1].finish_reason,
         )
-        return ChatCompletionResponse(
-            id=prepared.request_id,
-            created=int(time.time()),
-            model=self.model_name,
-            choices=[choice],
-            usage=_usage(last),
-            compression_metrics=prepared.metrics_of(last),
-        )
+        return self._build(ChatCompletionResponse, prepared, [choice], **self._final(prepared, outputs[-1]))
 
-    async def chat_stream(self, req: ChatCompletionRequest, prepared: PreparedRequest) -> AsyncIterator[str]:
-        def chunk(choices: list[ChatChunkChoice], **extra) -> ChatCompletionChunk:
-            return ChatCompletionChunk(
-                id=prepared.request_id, created=int(time.time()), model=self.model_name, choices=choices, **extra
-            )
-
-        yield _dump(chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]))
-        async for out in self.service.outputs(prepared):
-            if not out.delta_text and not out.finished:
-                continue
-            if out.error is not None:
-                yield _stream_error(out)
-                break
-            choice = ChatChunkChoice(
+    def chat_stream(self, req: ChatCompletionRequest, prepared: PreparedRequest) -> AsyncIterator[str]:
+        def choice(out: RequestOutput) -> ChatChunkChoice:
+            return ChatChunkChoice(
                 delta=ChatDelta(content=out.delta_text or None),
                 logprobs=self._chat_logprobs([out]) if req.logprobs else None,
                 finish_reason=out.finish_reason,
             )
-            if out.finished:
-                yield _dump(chunk([choice], **self._final_fields(req, prepared, out, usage_chunk=False)))
-                if req.include_usage:
-                    yield _dump(chunk([], **self._final_fields(req, prepared, out, usage_chunk=True)))
-            else:
-                yield _dump(chunk([choice]))
-        yield "[DONE]"
+
+        opening = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))
+        return self._stream(ChatCompletionChunk, req, prepared, choice, opening)
 
     # ----- internals ---------------------------------------------------------------------
     def _prepare(
@@ -174,11 +133,41 @@ class OpenAIService:
         )
         return self.service.prepare(generate, logprobs=logprobs, id_prefix=prefix)
 
-    def _final_fields(self, req: _SamplingRequest, prepared: PreparedRequest, out: RequestOutput, usage_chunk: bool):
-        """Usage and compression_metrics go on the last chunk: the usage chunk when one was asked for."""
-        if req.include_usage != usage_chunk:
-            return {}
-        return {"usage": _usage(out), "compression_metrics": prepared.metrics_of(out)}
+    def _build(self, cls: type[_Built], prepared: PreparedRequest, choices: list, **extra) -> _Built:
+        return cls(id=prepared.request_id, created=int(time.time()), model=self.model_name, choices=choices, **extra)
+
+    @staticmethod
+    def _final(prepared: PreparedRequest, last: RequestOutput) -> dict:
+        return {"usage": _usage(last), "compression_metrics": prepared.metrics_of(last)}
+
+    async def _stream(
+        self,
+        cls: type[CompletionChunk | ChatCompletionChunk],
+        req: _SamplingRequest,
+        prepared: PreparedRequest,
+        choice_of: Callable[[RequestOutput], CompletionChoice | ChatChunkChoice],
+        opening: ChatChunkChoice | None = None,
+    ) -> AsyncIterator[str]:
+        """SSE data: a chunk per piece of text, then (with include_usage) a usage chunk, then [DONE].
+
+        Usage and compression_metrics ride on the last chunk before [DONE].
+        """
+        if opening is not None:
+            yield _dump(self._build(cls, prepared, [opening]))
+        async for out in self.service.outputs(prepared):
+            if not out.delta_text and not out.finished:
+                continue  # text held back (possible stop string or partial character)
+            if out.error is not None:
+                yield _stream_error(out)
+                break
+            if not out.finished:
+                yield _dump(self._build(cls, prepared, [choice_of(out)]))
+            elif req.include_usage:
+                yield _dump(self._build(cls, prepared, [choice_of(out)]))
+                yield _dump(self._build(cls, prepared, [], **self._final(prepared, out)))
+            else:
+                yield _dump(self._build(cls, prepared, [choice_of(out)], **self._final(prepared, out)))
+        yield "[DONE]"
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
