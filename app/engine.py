@@ -57,6 +57,8 @@ class StepStats:
     num_preempted: int
     finished: list[Sequence]
     compression_s: float = 0.0
+    queue_s: list[float] = field(default_factory=list)  # waits of the sequences admitted in this step
+    num_out_of_memory: int = 0  # requests failed for want of KV memory (too big, or an OOM in the forward)
 
 
 class LLMEngine:
@@ -144,6 +146,7 @@ class LLMEngine:
             self.compression.preempted(seq.seq_id)
         outputs: list[RequestOutput] = []
         finished: list[Sequence] = []
+        out_of_memory = len(sched.rejected)
         for seq in sched.rejected:
             need = self.store.bytes_for(seq.num_uncomputed, self.store.codec_of(seq.seq_id))
             self._finish(
@@ -160,6 +163,8 @@ class LLMEngine:
                 logits = self.runner.run(sched.chunks, observer=self.compression)
             except Exception as exc:  # a failed forward fails only the sequences in it
                 log.exception("forward pass failed for %d sequences", len(sched.sequences))
+                if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+                    out_of_memory += len(sched.sequences)
                 for seq in sched.sequences:
                     self._finish(seq, FinishReason.ERROR, outputs, finished, error=f"model forward failed: {exc}")
                 sched.sequences, sched.chunks = [], []
@@ -184,6 +189,8 @@ class LLMEngine:
             len(sched.preempted),
             finished,
             compression_s,
+            [seq.first_scheduled_time - seq.arrival_time for seq in sched.admitted],
+            out_of_memory,
         )
         return outputs
 

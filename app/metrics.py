@@ -1,13 +1,26 @@
-"""Prometheus metrics of the server, each registered on the app's own registry."""
+"""Prometheus metrics of the server, each registered on the app's own registry.
+
+Gauges and the engine's own counters (entries by tier, evictions) are read from the engine's
+accounting when scraped, so they are never stale; per-request and per-step figures are observed
+as they happen.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import psutil
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from app.engine import LLMEngine, StepStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+_RATIO_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0, 1.5)
+_EVICTION_REASONS = ("compression", "preemption", "prefix_cache")
 
 
 class Metrics:
@@ -37,13 +50,58 @@ class Metrics:
             buckets=_TOKEN_LATENCY_BUCKETS,
             registry=r,
         )
+        self.queue_time = Histogram(
+            "request_queue_seconds",
+            "Time from arrival until the engine first schedules the request",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.running = Gauge("requests_running", "Requests running in the engine", registry=r)
         self.waiting = Gauge("requests_waiting", "Requests waiting to be admitted", registry=r)
-        self.kv_memory = Gauge("kv_cache_memory_bytes", "All KV cache bytes held", registry=r)
-        self.kv_pool = Gauge("kv_cache_bytes", "KV cache bytes held, by pool", ["pool"], registry=r)
+        self.kv_memory = Gauge("kv_cache_memory_bytes", "All KV cache bytes held (every pool)", registry=r)
+        self.kv_pool = Gauge(
+            "kv_cache_bytes",
+            "KV cache bytes held, by pool: running requests, prefix cache, audit of dropped keys",
+            ["pool"],
+            registry=r,
+        )
         self.kv_capacity = Gauge("kv_cache_capacity_bytes", "KV cache budget (max_cache_size)", registry=r)
-        self.kv_usage = Gauge("kv_cache_usage_ratio", "KV cache bytes held / budget", registry=r)
+        self.kv_usage = Gauge("kv_cache_usage_ratio", "KV cache bytes of running requests / budget", registry=r)
+        self.device_memory = Gauge(
+            "device_memory_usage_ratio",
+            "Share of the device's memory in use (GPU memory on CUDA, system memory on CPU)",
+            registry=r,
+        )
         self.preemptions = Counter("kv_preemptions", "Sequences preempted to free KV memory", registry=r)
+        self.oom_errors = Counter(
+            "kv_oom_errors",
+            "Requests failed for want of KV memory: larger than max_cache_size, or out of memory in the forward",
+            registry=r,
+        )
+        self.prefix_queries = Counter(
+            "kv_prefix_cache_queries", "Prompts looked up in the prefix cache (0 while it is off)", registry=r
+        )
+        self.prefix_hits = Counter(
+            "kv_prefix_cache_hits", "Prompts that reused a prefix-cache entry (0 while it is off)", registry=r
+        )
+        self.compression_ratio = Histogram(
+            "kv_compression_ratio",
+            "Per finished compressed request: compressed_size / original_size",
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.attention_recall = Histogram(
+            "kv_attention_recall",
+            "Per finished request with compression_stats: share of attention mass on held entries",
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.compression_time = Histogram(
+            "kv_compression_seconds",
+            "Time the compression engine spent in one engine step (steps that compressed)",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+            registry=r,
+        )
         self.batch_size = Histogram(
             "batch_size", "Sequences in one engine step", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r
         )
@@ -58,18 +116,34 @@ class Metrics:
         self.waiting.set_function(lambda: engine.num_waiting)
         self.kv_memory.set_function(lambda: store.used_bytes + compression.audit_bytes)
         self.kv_pool.labels("running").set_function(lambda: store.used_bytes)
+        self.kv_pool.labels("prefix").set(0)  # no prefix cache yet
         self.kv_pool.labels("audit").set_function(lambda: compression.audit_bytes)
         self.kv_capacity.set_function(lambda: store.max_bytes)
         self.kv_usage.set_function(lambda: store.used_bytes / store.max_bytes)
+        self.device_memory.set_function(lambda: _device_memory_ratio(store.device))
+        self.registry.register(_EngineCollector(engine))
 
     def observe_step(self, stats: StepStats, engine: LLMEngine) -> None:
         self.step_time.observe(stats.duration_s)
         self.batch_size.observe(stats.num_seqs)
         if stats.num_preempted:
             self.preemptions.inc(stats.num_preempted)
+        if stats.num_out_of_memory:
+            self.oom_errors.inc(stats.num_out_of_memory)
+        if stats.compression_s:
+            self.compression_time.observe(stats.compression_s)
+        for wait in stats.queue_s:
+            self.queue_time.observe(wait)
 
     def observe_request(
-        self, status: str, prompt_tokens: int, completion_tokens: int, latency: float, ttft: float | None
+        self,
+        status: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        latency: float,
+        ttft: float | None,
+        compression: dict | None = None,
+        audited: bool = False,
     ) -> None:
         self.requests.labels(status).inc()
         self.prompt_tokens.inc(prompt_tokens)
@@ -79,3 +153,33 @@ class Metrics:
             self.time_to_first_token.observe(ttft)
             if completion_tokens > 1:
                 self.time_per_output_token.observe((latency - ttft) / (completion_tokens - 1))
+        if compression is not None and compression["policy"] != "none":
+            self.compression_ratio.observe(compression["compression_ratio"])
+            if audited:  # recall is measured only against the dropped keys of requests that keep them
+                self.attention_recall.observe(compression["recall_rate"])
+
+
+class _EngineCollector(Collector):
+    """Metrics whose values the engine already keeps, read at scrape time."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.store = engine.store
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        entries = GaugeMetricFamily("kv_cache_entries", "(layer, token) KV entries held, by tier", labels=["tier"])
+        for tier, count in self.store.entry_counts().items():
+            entries.add_metric([tier], count)
+        yield entries
+        evictions = CounterMetricFamily(
+            "kv_evictions", "(layer, token) KV entries removed from memory, by reason", labels=["reason"]
+        )
+        for reason in _EVICTION_REASONS:
+            evictions.add_metric([reason], self.store.evicted_entries[reason])
+        yield evictions
+
+
+def _device_memory_ratio(device: torch.device) -> float:
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return 1.0 - free / total
+    return psutil.virtual_memory().percent / 100.0

@@ -9,6 +9,7 @@ it is requeued at the front to be recomputed later.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ class SchedulerOutput:
     sequences: list[Sequence] = field(default_factory=list)  # same order as chunks
     rejected: list[Sequence] = field(default_factory=list)  # can never fit the budget
     preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # scheduled for the first time
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +72,9 @@ class Scheduler:
             self.store.reserve(seq.seq_id, n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+                out.admitted.append(seq)
             self.running.append(seq)
             self._emit(seq, n, out)
             budget -= n
@@ -111,7 +116,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.store.free(seq.seq_id, keep_storage=True)
+        self.store.free(seq.seq_id, preempted=True)
         seq.num_computed = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING

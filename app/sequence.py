@@ -54,6 +54,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     error: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
     generator: torch.Generator = field(init=False, repr=False)

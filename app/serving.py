@@ -88,6 +88,7 @@ class GenerateService:
         storage = store.make_codec(compression.kv_cache_dtype)
         if store.bytes_for(need, storage) > store.max_bytes:
             self._refuse(413)
+            self.metrics.oom_errors.inc()
             raise APIError(
                 413,
                 "kv_cache_exceeded",
@@ -169,6 +170,8 @@ class GenerateService:
                 last.completion_tokens if last else 0,
                 time.monotonic() - prepared.arrival,
                 None if first is None else first - prepared.arrival,
+                compression=last.compression_metrics if last and last.finished else None,
+                audited=prepared.compression.stats,
             )
 
     # ----- internals ---------------------------------------------------------------------

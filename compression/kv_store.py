@@ -20,6 +20,7 @@ not KV) are bookkeeping and are not counted.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -163,6 +164,7 @@ class KVStore:
         self.used_bytes = 0
         self._seqs: dict[int, SequenceKV] = {}
         self._storage: dict[int, Codec] = {}  # sequences stored at another precision than the default
+        self.evicted_entries: Counter[str] = Counter()  # (layer, token) entries removed, by reason
 
     def make_codec(self, storage: torch.dtype | str | None) -> Codec:
         """A codec for `storage`: None or "auto" is the model's dtype; a float dtype name; "int8"; "int4"."""
@@ -221,6 +223,12 @@ class KVStore:
 
     def layer(self, seq_id: int, layer_idx: int) -> LayerKV:
         return self._seqs[seq_id].layers[layer_idx]
+
+    def entry_counts(self) -> dict[str, int]:
+        """(layer, token) entries held, by tier, over every sequence."""
+        layers = [layer for seq in list(self._seqs.values()) for layer in seq.layers]
+        key_only = sum(layer.num_key_only for layer in layers)
+        return {"full": sum(layer.length for layer in layers) - key_only, "key_only": key_only}
 
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._seqs
@@ -330,18 +338,22 @@ class KVStore:
         self._seqs[seq_id].layers[layer_idx] = rebuilt
         freed = before - rebuilt.nbytes
         self.used_bytes -= freed
+        self.evicted_entries["compression"] += layer.length - n
         return freed
 
-    def free(self, seq_id: int, keep_storage: bool = False) -> int:
+    def free(self, seq_id: int, preempted: bool = False) -> int:
         """Drop a sequence's cache and return the bytes it held.
 
-        `keep_storage` remembers its storage precision, for a sequence that will be recomputed.
+        A `preempted` sequence will be recomputed: its storage precision is remembered and its
+        entries count as evicted.
         """
-        if not keep_storage:
+        if not preempted:
             self._storage.pop(seq_id, None)
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return 0
+        if preempted:
+            self.evicted_entries["preemption"] += sum(layer.length for layer in seq.layers)
         freed = seq.nbytes
         self.used_bytes -= freed
         return freed

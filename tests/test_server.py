@@ -252,3 +252,39 @@ def test_compression_can_be_turned_off_server_wide(default_path):
         assert metrics["compression_ratio"] >= 1.0
     finally:
         srv.stop()
+
+
+def test_operational_metrics_follow_the_engine(server):
+    text = httpx.get(f"{server.url}/metrics").text
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            name = line.split()[2]
+            assert f"# HELP {name} " in text, f"{name} has no HELP text"
+    before = {
+        "evicted": server.metric("kv_evictions_total", '{reason="compression"}'),
+        "ratio": server.metric("kv_compression_ratio_count"),
+        "recall": server.metric("kv_attention_recall_count"),
+        "oom": server.metric("kv_oom_errors_total"),
+        "queue": server.metric("request_queue_seconds_count"),
+        "compression_s": server.metric("kv_compression_seconds_count"),
+    }
+    body = {
+        "prompt": LONG_PROMPT,
+        "max_tokens": 20,
+        "temperature": 0,
+        "compression": {"policy": "h2o", "compression_rate": 0.75, "compression_interval": 4},
+        "compression_stats": True,
+    }
+    dropped = post(server, body).json()["compression_metrics"]["entries"]["dropped"]
+    assert dropped > 0
+    assert server.metric("kv_evictions_total", '{reason="compression"}') - before["evicted"] >= dropped
+    assert server.metric("kv_compression_ratio_count") == before["ratio"] + 1
+    assert server.metric("kv_attention_recall_count") == before["recall"] + 1
+    assert server.metric("request_queue_seconds_count") == before["queue"] + 1
+    assert server.metric("kv_compression_seconds_count") > before["compression_s"]
+    assert server.metric("kv_cache_entries", '{tier="full"}') == 0  # nothing running now
+    assert 0 < server.metric("device_memory_usage_ratio") < 1
+    # A request that can never fit the KV budget counts as an out-of-memory error.
+    too_big = {"prompt": "word " * 5000, "max_tokens": 2000, "compression": {"enabled": False}}
+    assert post(server, too_big).json()["error"]["type"] == "kv_cache_exceeded"
+    assert server.metric("kv_oom_errors_total") == before["oom"] + 1
