@@ -38,6 +38,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+load-test: model
+	$(PY) load_tests/run.py $(ARGS)
+
 bench-serving: model
 	$(PY) benchmarks/serving.py $(ARGS)
 
