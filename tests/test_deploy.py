@@ -1,0 +1,132 @@
+"""Dockerfile, compose stack, Grafana dashboard and alert rules agree with the code and each other.
+
+There is no Docker engine in CI, so these tests read the files: every path they copy or mount
+exists, ports and health checks line up, and every metric a rule or a panel queries is one the
+server really exports.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+
+import pytest
+import yaml
+from prometheus_client import generate_latest
+
+from app.metrics import Metrics
+from app.settings import Settings
+from models.default_model import PACKAGE_PIN
+from tests.helpers import ROOT, make_engine, tiny_model
+
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "and", "or", "unless", "le", "instance", "job"}
+PROMQL_WORDS |= {"sum", "avg", "min", "max", "count"}  # aggregations, written before `by`
+PROMQL_WORDS |= {"pool", "reason", "tier", "status"}  # our label names
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(instruction, arguments) pairs, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def test_dockerfile_is_multi_stage_slim_by_default_non_root_and_healthchecked():
+    steps = dockerfile()
+    stages = [args for op, args in steps if op == "FROM"]
+    assert len(stages) >= 3 and all(" AS " in s.upper() for s in stages)
+    assert ("ARG", "BASE_IMAGE=python:3.11-slim-bookworm") in steps  # CUDA base selectable by build argument
+    runtime = steps[max(i for i, (op, _) in enumerate(steps) if op == "FROM") :]
+    users = [args for op, args in runtime if op == "USER"]
+    assert users and users[-1] not in ("root", "0")
+    health = next(args for op, args in runtime if op == "HEALTHCHECK")
+    assert "/health" in health
+    assert ("EXPOSE", "8080") in runtime
+    assert any(op == "ENV" and "CONFKV_PORT=8080" in args for op, args in runtime)
+    assert ("ENTRYPOINT", '["python", "serve.py"]') in runtime
+
+
+def test_dockerfile_installs_what_the_project_pins_and_converts_the_model():
+    text = (ROOT / "Dockerfile").read_text()
+    pins = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    torch_pin = next(p for p in pins if p.startswith("torch=="))
+    assert torch_pin in text and PACKAGE_PIN in text
+    assert "python -m models.default_model" in text
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
+    for op, args in dockerfile():
+        if op == "COPY" and "--from" not in args:
+            for source in args.split()[:-1]:
+                assert (ROOT / source).exists(), f"COPY {source}: no such path"
+                assert source not in ignored, f"COPY {source} is excluded by .dockerignore"
+
+
+def test_compose_services_paths_ports_and_health_checks_line_up():
+    stack = compose()["services"]
+    assert set(stack) == {"server", "prometheus", "grafana"}
+    for name, service in stack.items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (ROOT / source).exists(), f"{name} mounts {source}, which does not exist"
+    server = stack["server"]
+    assert server["build"]["context"] == "."
+    assert "8080:8080" in server["ports"]
+    assert any("/health" in part for part in server["healthcheck"]["test"])
+    fields = {f"CONFKV_{name.upper()}" for name in Settings.model_fields}
+    assert set(server["environment"]) <= fields
+    assert stack["prometheus"]["depends_on"]["server"]["condition"] == "service_healthy"
+    assert "./prometheus:/etc/prometheus:ro" in stack["prometheus"]["volumes"]
+
+
+def test_prometheus_scrapes_the_compose_server_and_grafana_reads_prometheus():
+    scrape = yaml.safe_load((ROOT / "prometheus" / "prometheus.yml").read_text())
+    targets = scrape["scrape_configs"][0]["static_configs"][0]["targets"]
+    assert targets == ["server:8080"]
+    for rule_file in scrape["rule_files"]:
+        assert (ROOT / "prometheus" / rule_file).is_file()
+    source = yaml.safe_load((ROOT / "grafana" / "provisioning" / "datasources" / "prometheus.yaml").read_text())
+    assert source["datasources"][0]["url"] == "http://prometheus:9090"
+    provider = yaml.safe_load((ROOT / "grafana" / "provisioning" / "dashboards" / "conf-kv.yaml").read_text())
+    mounted = {v.split(":")[1] for v in compose()["services"]["grafana"]["volumes"]}
+    assert provider["providers"][0]["options"]["path"] in mounted
+
+
+@pytest.fixture(scope="module")
+def exported_names(tokenizer) -> set[str]:
+    """Every sample name the server exports, from a registry bound to a real (tiny) engine."""
+    metrics = Metrics()
+    model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    metrics.bind_engine(make_engine(model, tokenizer))
+    names = set()
+    for line in generate_latest(metrics.registry).decode().splitlines():
+        if line.startswith("# TYPE "):  # labelled metrics have no samples until a label is used
+            _, _, name, kind = line.split()
+            suffixes = ("_bucket", "_sum", "_count") if kind == "histogram" else ("",)
+            names |= {name + suffix for suffix in suffixes}
+    return names
+
+
+def metric_names(expr: str) -> set[str]:
+    expr = re.sub(r'"[^"]*"', "", expr)  # label values
+    expr = re.sub(r"\[[^\]]*\]", "", expr)  # range selectors
+    names = set(re.findall(r"\b[a-zA-Z_:][a-zA-Z0-9_:]*\b(?!\s*\()", expr))
+    functions = set(re.findall(r"([a-zA-Z_]+)\s*\(", expr))
+    return {n for n in names - functions - PROMQL_WORDS if not re.fullmatch(r"[0-9e]+", n)}
+
+
+def test_every_metric_in_alerts_and_dashboard_is_exported(exported_names):
+    rules = yaml.safe_load((ROOT / "prometheus" / "alert_rules.yaml").read_text())["groups"]
+    expressions = [rule["expr"] for group in rules for rule in group["rules"]]
+    panels = json.loads((ROOT / "grafana" / "dashboards" / "conf-kv.json").read_text())["panels"]
+    expressions += [target["expr"] for panel in panels for target in panel["targets"]]
+    used = set().union(*(metric_names(e) for e in expressions))
+    assert {"kv_cache_memory_bytes", "kv_compression_ratio_bucket", "kv_prefix_cache_hits_total"} <= used
+    assert used <= exported_names, f"not exported: {sorted(used - exported_names)}"
+    titles = " ".join(panel["title"].lower() for panel in panels)
+    for topic in ("memory", "compression ratio", "recall", "prefix", "latency", "throughput", "queue"):
+        assert topic in titles
