@@ -1,0 +1,106 @@
+"""LRU-K replacement (O'Neil, O'Neil and Weikum, 1993) with O(1) touch, insert, remove and evict.
+
+The victim is the key with the largest backward K-distance: the one whose K-th most recent
+reference is oldest. Keys referenced fewer than K times have an infinite distance and go first;
+among them the subsidiary policy is LRU (least recent last reference), as the paper suggests.
+References are numbered by a logical clock, so distances never tie otherwise.
+
+Why it is O(1): every key keeps its last (up to) K references as nodes of one list ordered by
+time. A touch appends a node at the tail and, once a key has K + 1, unlinks its oldest. When
+every key has K references, the head of that list is the oldest reference held by anyone; it
+cannot be a key's newer reference (that key's K-th most recent would be older still and in the
+list), so it is the K-th most recent reference of the victim.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class _Ref:
+    key: Hashable
+    time: int
+    prev: _Ref | None = None
+    next: _Ref | None = None
+
+
+@dataclass
+class _History:
+    refs: list[_Ref] = field(default_factory=list)  # oldest first, at most K
+
+
+class LRUK:
+    def __init__(self, k: int = 2) -> None:
+        if k < 1:
+            raise ValueError("k must be at least 1")
+        self.k = k
+        self._clock = 0
+        self._history: dict[Hashable, _History] = {}
+        self._young: OrderedDict[Hashable, None] = OrderedDict()  # fewer than K references, LRU order
+        self._head: _Ref | None = None  # every kept reference, oldest first
+        self._tail: _Ref | None = None
+
+    def __len__(self) -> int:
+        return len(self._history)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._history
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(self._history)
+
+    def touch(self, key: Hashable) -> None:
+        """Record a reference to `key`, inserting it if new."""
+        history = self._history.setdefault(key, _History())
+        self._clock += 1
+        history.refs.append(self._append(_Ref(key, self._clock)))
+        if len(history.refs) > self.k:
+            self._unlink(history.refs.pop(0))
+        if len(history.refs) < self.k:
+            self._young[key] = None
+            self._young.move_to_end(key)
+        else:
+            self._young.pop(key, None)
+
+    def remove(self, key: Hashable) -> None:
+        history = self._history.pop(key)
+        for ref in history.refs:
+            self._unlink(ref)
+        self._young.pop(key, None)
+
+    def victim(self) -> Hashable | None:
+        """The key to evict next (None when empty), without removing it."""
+        if self._young:
+            return next(iter(self._young))
+        return self._head.key if self._head is not None else None
+
+    def evict(self) -> Hashable:
+        key = self.victim()
+        if key is None:
+            raise KeyError("evict from an empty LRU-K")
+        self.remove(key)
+        return key
+
+    # ----- the time-ordered list ---------------------------------------------------------
+    def _append(self, ref: _Ref) -> _Ref:
+        ref.prev = self._tail
+        if self._tail is not None:
+            self._tail.next = ref
+        self._tail = ref
+        if self._head is None:
+            self._head = ref
+        return ref
+
+    def _unlink(self, ref: _Ref) -> None:
+        if ref.prev is not None:
+            ref.prev.next = ref.next
+        else:
+            self._head = ref.next
+        if ref.next is not None:
+            ref.next.prev = ref.prev
+        else:
+            self._tail = ref.prev
+        ref.prev = ref.next = None
