@@ -33,15 +33,18 @@ def build_engine(settings: Settings) -> LLMEngine:
     device = settings.resolved_device()
     dtype = None if settings.dtype == "auto" else getattr(torch, settings.dtype)
     model, tokenizer = load_model(settings.model_path, device, dtype)
+    compression = settings.compression()
     config = EngineConfig(
         max_cache_bytes=settings.max_cache_bytes(),
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
+        prefix_cache=settings.enable_prefix_cache,
+        lru_k=compression.lru_k,
     )
-    compression = settings.compression()
     log.info(
-        "KV cache budget %.1f MiB; compression %s (policy %s, rate %.2f, storage %s)",
+        "KV cache budget %.1f MiB; prefix cache %s; compression %s (policy %s, rate %.2f, storage %s)",
         config.max_cache_bytes / 2**20,
+        f"on ({compression.cache_eviction_policy})" if config.prefix_cache else "off",
         "on" if settings.compression_enabled else "off",
         compression.policy,
         compression.compression_rate,

@@ -21,6 +21,7 @@ from app.sequence import FinishReason, SamplingParams, Sequence
 from compression.config import CompressionConfig, CompressionParams, resolve
 from compression.engine import CompressionEngine, CompressionMetrics
 from compression.kv_store import KVStore
+from compression.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,8 @@ class EngineConfig:
     max_cache_bytes: int
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
+    prefix_cache: bool = False  # keep finished requests' KV for reuse by the requests that follow
+    lru_k: int = 2  # the prefix cache's replacement policy, LRU-K
 
 
 @dataclass
@@ -86,7 +89,8 @@ class LLMEngine:
         )
         self.compression = CompressionEngine(self.store)
         self.runner = ModelRunner(model, self.store)
-        self.scheduler = Scheduler(self.store, config.max_num_seqs, config.max_num_batched_tokens)
+        self.prefix_cache = PrefixCache(self.store, config.lru_k) if config.prefix_cache else None
+        self.scheduler = Scheduler(self.store, config.max_num_seqs, config.max_num_batched_tokens, self.prefix_cache)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.max_model_len = _max_model_len(cfg)
         self._detok: dict[int, IncrementalDetokenizer] = {}
@@ -110,6 +114,7 @@ class LLMEngine:
         self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, params.stop)
         self._by_request[request_id] = seq
         compression = compression or self.default_compression()
+        seq.prefix_fingerprint = compression.fingerprint
         self.store.set_storage(seq.seq_id, compression.kv_cache_dtype)
         self.compression.register(seq.seq_id, compression, seq.num_prompt_tokens)
         self.scheduler.add(seq)
@@ -123,7 +128,7 @@ class LLMEngine:
         seq = self._by_request.get(request_id)
         if seq is None:
             return None
-        metrics = self.compression.release(seq.seq_id, seq.num_computed)
+        metrics = self.compression.release(seq.seq_id, seq.num_computed, seq.num_cached_tokens)
         self.scheduler.finish(seq, FinishReason.ABORT)
         return self._output(seq, [], final=True, metrics=metrics)
 
@@ -235,7 +240,9 @@ class LLMEngine:
         new_tokens: list[int] | None = None,
         logprobs: list[TokenLogprob] | None = None,
     ) -> None:
-        metrics = self.compression.release(seq.seq_id, seq.num_computed)
+        metrics = self.compression.release(seq.seq_id, seq.num_computed, seq.num_cached_tokens)
+        if self.prefix_cache is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.prefix_cache.insert(seq.seq_id, seq.token_ids[: seq.num_computed], seq.prefix_fingerprint)
         self.scheduler.finish(seq, reason, error)
         outputs.append(self._output(seq, new_tokens or [], final=True, metrics=metrics, logprobs=logprobs))
         finished.append(seq)
@@ -257,6 +264,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason.value if final and seq.finish_reason else None,
             prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=len(seq.output_token_ids),
+            cached_prompt_tokens=seq.num_cached_tokens,
             error=seq.error,
             compression_metrics=asdict(metrics) if metrics is not None else None,
             logprobs=logprobs or [],

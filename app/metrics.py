@@ -66,7 +66,9 @@ class Metrics:
             registry=r,
         )
         self.kv_capacity = Gauge("kv_cache_capacity_bytes", "KV cache budget (max_cache_size)", registry=r)
-        self.kv_usage = Gauge("kv_cache_usage_ratio", "KV cache bytes of running requests / budget", registry=r)
+        self.kv_usage = Gauge(
+            "kv_cache_usage_ratio", "KV cache bytes held within the budget (running and prefix) / budget", registry=r
+        )
         self.device_memory = Gauge(
             "device_memory_usage_ratio",
             "Share of the device's memory in use (GPU memory on CUDA, system memory on CPU)",
@@ -77,12 +79,6 @@ class Metrics:
             "kv_oom_errors",
             "Requests failed for want of KV memory: larger than max_cache_size, or out of memory in the forward",
             registry=r,
-        )
-        self.prefix_queries = Counter(
-            "kv_prefix_cache_queries", "Prompts looked up in the prefix cache (0 while it is off)", registry=r
-        )
-        self.prefix_hits = Counter(
-            "kv_prefix_cache_hits", "Prompts that reused a prefix-cache entry (0 while it is off)", registry=r
         )
         self.compression_ratio = Histogram(
             "kv_compression_ratio",
@@ -115,8 +111,8 @@ class Metrics:
         self.running.set_function(lambda: engine.num_running)
         self.waiting.set_function(lambda: engine.num_waiting)
         self.kv_memory.set_function(lambda: store.used_bytes + compression.audit_bytes)
-        self.kv_pool.labels("running").set_function(lambda: store.used_bytes)
-        self.kv_pool.labels("prefix").set(0)  # no prefix cache yet
+        self.kv_pool.labels("running").set_function(lambda: store.used_bytes - store.parked_bytes)
+        self.kv_pool.labels("prefix").set_function(lambda: store.parked_bytes)
         self.kv_pool.labels("audit").set_function(lambda: compression.audit_bytes)
         self.kv_capacity.set_function(lambda: store.max_bytes)
         self.kv_usage.set_function(lambda: store.used_bytes / store.max_bytes)
@@ -164,6 +160,7 @@ class _EngineCollector(Collector):
 
     def __init__(self, engine: LLMEngine) -> None:
         self.store = engine.store
+        self.prefix_cache = engine.prefix_cache
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         entries = GaugeMetricFamily("kv_cache_entries", "(layer, token) KV entries held, by tier", labels=["tier"])
@@ -176,6 +173,13 @@ class _EngineCollector(Collector):
         for reason in _EVICTION_REASONS:
             evictions.add_metric([reason], self.store.evicted_entries[reason])
         yield evictions
+        cache = self.prefix_cache
+        yield CounterMetricFamily(
+            "kv_prefix_cache_queries", "Prompts looked up in the prefix cache", cache.queries if cache else 0
+        )
+        yield CounterMetricFamily(
+            "kv_prefix_cache_hits", "Prompts that reused a prefix-cache entry", cache.hits if cache else 0
+        )
 
 
 def _device_memory_ratio(device: torch.device) -> float:

@@ -3,8 +3,10 @@
 Each step the scheduler picks what runs: one token for every decoding sequence, then prompt
 chunks (chunked prefill) of running and newly admitted sequences, within a per-step token
 budget. A sequence is admitted only when its remaining prompt fits in the free KV bytes. When a
-running sequence cannot grow, the newest running sequence is preempted: its cache is freed and
-it is requeued at the front to be recomputed later.
+running sequence cannot grow, memory is found in this order: parked prefix-cache entries go
+first (LRU-K), then the newest running sequence is preempted: its cache is freed and it is
+requeued at the front to be recomputed later. A waiting sequence whose tokens start with a
+parked sequence's tokens starts from a copy of those entries (prefix reuse).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from app.model_runner import ScheduledChunk
 from app.sequence import FinishReason, Sequence, SequenceStatus
 from compression.kv_store import KVBudgetExceeded, KVStore
+from compression.prefix_cache import PrefixCache, PrefixHit
 
 
 @dataclass
@@ -32,8 +35,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, store: KVStore, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        store: KVStore,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
         self.store = store
+        self.prefix_cache = prefix_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -66,10 +76,18 @@ class Scheduler:
                 self.waiting.popleft()
                 out.rejected.append(seq)
                 continue
-            if need > self.store.free_bytes:
+            hit = self.prefix_cache.lookup(seq.token_ids, seq.prefix_fingerprint) if self.prefix_cache else None
+            if not self._make_room(need, keep=hit.entry_id if hit else None):
                 break
+            if hit is not None:
+                self._reuse(seq, hit)
             n = min(seq.num_uncomputed, budget)
-            self.store.reserve(seq.seq_id, n)
+            try:
+                self.store.reserve(seq.seq_id, n)
+            except KVBudgetExceeded:
+                self.store.free(seq.seq_id, preempted=True)
+                seq.num_computed = 0
+                break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
@@ -92,6 +110,21 @@ class Scheduler:
         self.store.free(seq.seq_id)
 
     # ----- internals ---------------------------------------------------------------------
+    def _make_room(self, need: int, keep: int | None = None) -> bool:
+        """Free parked prefix-cache entries (never `keep`) until `need` bytes are free."""
+        while need > self.store.free_bytes:
+            if self.prefix_cache is None or not self.prefix_cache.evict_one(keep):
+                return False
+        return True
+
+    def _reuse(self, seq: Sequence, hit: PrefixHit) -> None:
+        try:
+            self.prefix_cache.adopt(seq.seq_id, hit)
+        except KVBudgetExceeded:
+            return  # prefill it all instead
+        seq.num_computed = hit.num_tokens
+        seq.num_cached_tokens = min(hit.num_tokens, seq.num_prompt_tokens)
+
     def _emit(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         start = seq.num_computed
         tokens = seq.token_ids[start : start + n]
@@ -105,6 +138,8 @@ class Scheduler:
                 self.store.reserve(seq.seq_id, n)
                 return True
             except KVBudgetExceeded:
+                if self.prefix_cache is not None and self.prefix_cache.evict_one():
+                    continue  # parked prefix-cache entries go first
                 victim = self.running[-1]  # newest; never one already scheduled this step
                 if victim is seq and len(self.running) == 1:
                     out.rejected.append(seq)  # alone and still too big: it can never finish

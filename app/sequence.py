@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 
@@ -50,6 +51,8 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     token_ids: list[int] = field(init=False)
     num_computed: int = 0  # tokens whose KV is in the store (or were, before eviction)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prefix_fingerprint: Hashable = None  # the compression settings its KV is built under
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None

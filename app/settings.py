@@ -43,6 +43,9 @@ class Settings(BaseSettings):
         description="KV cache budget: MB (4096), with a unit (2GiB) or a share of device memory (80%); "
         "default: max_cache_size of the compression policy file",
     )
+    enable_prefix_cache: bool = Field(
+        True, description="keep finished requests' KV for reuse by requests that start with the same tokens"
+    )
     max_num_seqs: int = Field(32, ge=1, description="most sequences running at once")
     max_num_batched_tokens: int = Field(512, ge=1, description="most tokens in one forward pass (chunked prefill)")
     max_queue_size: int = Field(256, ge=0, description="most requests waiting; beyond it 503 with Retry-After")

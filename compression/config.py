@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -62,6 +62,10 @@ class CompressionConfig(BaseModel):
     )
     seed: int = 0
 
+    @property
+    def lru_k(self) -> int:
+        return int(self.cache_eviction_policy.removeprefix("LRU-"))
+
     @classmethod
     def load(cls, path: Path | None = None) -> CompressionConfig:
         path = path or DEFAULT_FILE
@@ -92,6 +96,13 @@ class CompressionParams:
     @property
     def active(self) -> bool:
         return self.enabled and self.policy != "none"
+
+    @property
+    def fingerprint(self) -> tuple:
+        """What a cached KV state depends on: reuse it only under the same settings."""
+        if not self.active:
+            return ("none", self.kv_cache_dtype)
+        return astuple(replace(self, stats=False))
 
 
 def resolve(config: CompressionConfig, request: dict | None, server_enabled: bool, stats: bool) -> CompressionParams:

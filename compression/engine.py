@@ -95,16 +95,16 @@ class CompressionEngine:
             self.audit_bytes -= sum(k.nbytes for k in state.audit.values())
             state.reset_cache_state()
 
-    def release(self, seq_id: int, num_tokens: int) -> CompressionMetrics | None:
+    def release(self, seq_id: int, num_tokens: int, cached_tokens: int = 0) -> CompressionMetrics | None:
         """Forget a finishing sequence (call before its cache is freed); return its metrics."""
-        metrics = self.metrics(seq_id, num_tokens)
+        metrics = self.metrics(seq_id, num_tokens, cached_tokens)
         state = self.states.pop(seq_id, None)
         if state is not None:
             self.audit_bytes -= sum(k.nbytes for k in state.audit.values())
         return metrics
 
-    def metrics(self, seq_id: int, num_tokens: int) -> CompressionMetrics | None:
-        """The sequence's figures now, `num_tokens` being the tokens it has processed."""
+    def metrics(self, seq_id: int, num_tokens: int, cached_tokens: int = 0) -> CompressionMetrics | None:
+        """The sequence's figures now: `num_tokens` processed, `cached_tokens` of its prompt reused."""
         state = self.states.get(seq_id)
         if state is None:
             return None
@@ -121,7 +121,7 @@ class CompressionEngine:
             original_size=original,
             compressed_size=compressed,
             compression_ratio=compressed / original if original else 1.0,
-            hit_rate=0.0,
+            hit_rate=cached_tokens / state.prompt_len if state.prompt_len else 0.0,
             recall_rate=state.recall_sum / state.recall_count if state.recall_count else 1.0,
             entries={
                 "full": full,

@@ -165,6 +165,7 @@ class KVStore:
         self._seqs: dict[int, SequenceKV] = {}
         self._storage: dict[int, Codec] = {}  # sequences stored at another precision than the default
         self.evicted_entries: Counter[str] = Counter()  # (layer, token) entries removed, by reason
+        self.parked_bytes = 0  # bytes of finished sequences kept for reuse (part of used_bytes)
 
     def make_codec(self, storage: torch.dtype | str | None) -> Codec:
         """A codec for `storage`: None or "auto" is the model's dtype; a float dtype name; "int8"; "int4"."""
@@ -319,27 +320,50 @@ class KVStore:
         if bool((keep_full < layer.num_key_only).any()):
             raise ValueError("a KEY_ONLY entry cannot become FULL again")
         before = layer.nbytes
-        keep_key_only = keep_key_only.sort().values
-        keep_full = keep_full.sort().values
-        order = torch.cat((keep_key_only, keep_full))
-        n, n_ko, n_full = order.numel(), keep_key_only.numel(), keep_full.numel()
-        rebuilt = self._new_layer(seq.codec, _round_up(n, GROWTH_CHUNK), _round_up(n_full, GROWTH_CHUNK))
-        rebuilt.keys[:, :n] = layer.keys.index_select(1, order)
-        if layer.key_params is not None:
-            rebuilt.key_params[:, :n] = layer.key_params.index_select(1, order)
-        rebuilt.positions[:n] = layer.positions.index_select(0, order)
-        rebuilt.attention[:n] = layer.attention.index_select(0, order)
-        full_slots = keep_full - layer.num_key_only  # FULL entry i has its value at slot i - num_key_only
-        rebuilt.values[:, :n_full] = layer.values.index_select(1, full_slots)
-        if layer.value_params is not None:
-            rebuilt.value_params[:, :n_full] = layer.value_params.index_select(1, full_slots)
-        rebuilt.ko_values = self._key_only_values(seq.codec, layer, keep_key_only) if n_ko else None
-        rebuilt.length, rebuilt.num_key_only, rebuilt.compacted = n, n_ko, True
+        rebuilt = self._rebuilt(seq.codec, layer, keep_full, keep_key_only)
         self._seqs[seq_id].layers[layer_idx] = rebuilt
         freed = before - rebuilt.nbytes
         self.used_bytes -= freed
-        self.evicted_entries["compression"] += layer.length - n
+        self.evicted_entries["compression"] += layer.length - rebuilt.length
         return freed
+
+    # ----- parked caches (the prefix cache's pool) -----------------------------------------
+    def park(self, seq_id: int) -> SequenceKV | None:
+        """Take a finished sequence's cache out of the running pool; its bytes stay counted (parked)."""
+        self._storage.pop(seq_id, None)
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            self.parked_bytes += seq.nbytes
+        return seq
+
+    def discard(self, parked: SequenceKV) -> int:
+        """Free a parked cache; return its bytes."""
+        freed = parked.nbytes
+        self.used_bytes -= freed
+        self.parked_bytes -= freed
+        self.evicted_entries["prefix_cache"] += sum(layer.length for layer in parked.layers)
+        return freed
+
+    def adopt(self, seq_id: int, parked: SequenceKV, num_tokens: int) -> None:
+        """Start sequence `seq_id` from a copy of the entries of `parked` at positions < num_tokens.
+
+        A copy, so that the running sequence and the cache never see each other's writes. Raises
+        KVBudgetExceeded (holding nothing) when the copy does not fit.
+        """
+        layers = []
+        for layer in parked.layers:
+            held = layer.positions[: layer.length] < num_tokens
+            index = torch.arange(layer.length, device=self.device)
+            keep_key_only = index[: layer.num_key_only][held[: layer.num_key_only]]
+            keep_full = index[layer.num_key_only :][held[layer.num_key_only :]]
+            layers.append(self._rebuilt(parked.codec, layer, keep_full, keep_key_only))
+        adopted = SequenceKV(parked.codec, layers)
+        if adopted.nbytes > self.free_bytes:
+            raise KVBudgetExceeded(f"a cached prefix of {adopted.nbytes} bytes does not fit in {self.free_bytes} free")
+        if parked.codec is not self.codec:
+            self._storage[seq_id] = parked.codec
+        self._seqs[seq_id] = adopted
+        self.used_bytes += adopted.nbytes
 
     def free(self, seq_id: int, preempted: bool = False) -> int:
         """Drop a sequence's cache and return the bytes it held.
@@ -359,6 +383,26 @@ class KVStore:
         return freed
 
     # ----- internals ---------------------------------------------------------------------
+    def _rebuilt(self, codec: Codec, layer: LayerKV, keep_full: torch.Tensor, keep_key_only: torch.Tensor) -> LayerKV:
+        """A new layer holding copies of the given entries: KEY_ONLY ones first, then FULL ones."""
+        keep_key_only = keep_key_only.sort().values
+        keep_full = keep_full.sort().values
+        order = torch.cat((keep_key_only, keep_full))
+        n, n_ko, n_full = order.numel(), keep_key_only.numel(), keep_full.numel()
+        rebuilt = self._new_layer(codec, _round_up(n, GROWTH_CHUNK), _round_up(n_full, GROWTH_CHUNK))
+        rebuilt.keys[:, :n] = layer.keys.index_select(1, order)
+        if layer.key_params is not None:
+            rebuilt.key_params[:, :n] = layer.key_params.index_select(1, order)
+        rebuilt.positions[:n] = layer.positions.index_select(0, order)
+        rebuilt.attention[:n] = layer.attention.index_select(0, order)
+        full_slots = keep_full - layer.num_key_only  # FULL entry i has its value at slot i - num_key_only
+        rebuilt.values[:, :n_full] = layer.values.index_select(1, full_slots)
+        if layer.value_params is not None:
+            rebuilt.value_params[:, :n_full] = layer.value_params.index_select(1, full_slots)
+        rebuilt.ko_values = self._key_only_values(codec, layer, keep_key_only) if n_ko else None
+        rebuilt.length, rebuilt.num_key_only, rebuilt.compacted = n, n_ko, True
+        return rebuilt
+
     def _key_only_values(self, codec: Codec, layer: LayerKV, entries: torch.Tensor) -> Quantized:
         """Quantised values of `entries` (sorted): old KEY_ONLY ones kept, FULL ones quantised now."""
         old = entries[entries < layer.num_key_only]

@@ -14,6 +14,7 @@ list), so it is the K-th most recent reference of the victim.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
@@ -71,11 +72,18 @@ class LRUK:
             self._unlink(ref)
         self._young.pop(key, None)
 
-    def victim(self) -> Hashable | None:
-        """The key to evict next (None when empty), without removing it."""
-        if self._young:
-            return next(iter(self._young))
-        return self._head.key if self._head is not None else None
+    def victim(self, exclude: Hashable | None = None) -> Hashable | None:
+        """The key to evict next, other than `exclude` (None if there is none), without removing it.
+
+        Skipping `exclude` costs at most K + 1 steps: its own references are all that can come first.
+        """
+        for key in itertools.islice(self._young, 2):
+            if key != exclude:
+                return key
+        ref = self._head
+        while ref is not None and (ref.key == exclude or ref.key in self._young):
+            ref = ref.next
+        return ref.key if ref is not None else None
 
     def evict(self) -> Hashable:
         key = self.victim()

@@ -22,13 +22,14 @@ class ReferenceLRUK:
     def remove(self, key) -> None:
         del self.times[key]
 
-    def victim(self):
-        if not self.times:
+    def victim(self, exclude=None):
+        times = {key: t for key, t in self.times.items() if key != exclude}
+        if not times:
             return None
-        young = {key: t for key, t in self.times.items() if len(t) < self.k}
+        young = {key: t for key, t in times.items() if len(t) < self.k}
         if young:  # infinite backward K-distance; subsidiary policy LRU
             return min(young, key=lambda key: young[key][-1])
-        return min(self.times, key=lambda key: self.times[key][-self.k])
+        return min(times, key=lambda key: times[key][-self.k])
 
 
 operations = st.lists(
@@ -52,6 +53,7 @@ def test_lru_k_evicts_the_largest_backward_k_distance(k, ops):
             assert lru.evict() == expected
             reference.remove(expected)
         assert lru.victim() == reference.victim()
+        assert lru.victim(exclude=key) == reference.victim(exclude=key)
         assert set(lru) == set(reference.times) and len(lru) == len(reference.times)
 
 

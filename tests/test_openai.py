@@ -171,7 +171,7 @@ def test_stream_client_going_away_gives_memory_back(client, server):
             break
     stream.close()
     deadline = time.monotonic() + 10
-    while server.metric("kv_cache_memory_bytes") != 0.0 and time.monotonic() < deadline:
+    while server.metric("kv_cache_bytes", '{pool="running"}') != 0.0 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert server.metric("kv_cache_memory_bytes") == 0.0
+    assert server.metric("kv_cache_bytes", '{pool="running"}') == 0.0
     assert server.metric("requests_running") == 0

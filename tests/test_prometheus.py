@@ -112,7 +112,8 @@ def test_real_prometheus_scrapes_the_server_and_evaluates_the_rules(server, tmp_
             lambda: float(prometheus.query("max_over_time(kv_cache_memory_bytes[5m])")[0]["value"][1]) > 0,
             "KV memory held during the request",
         )
-        prometheus.wait_for(lambda: float(prometheus.query("kv_cache_memory_bytes")[0]["value"][1]) == 0, "memory back")
+        running = 'kv_cache_bytes{pool="running"}'
+        prometheus.wait_for(lambda: float(prometheus.query(running)[0]["value"][1]) == 0, "memory back")
         # Four requests that can never fit the KV budget: more than 3 OOM errors in the hour.
         too_big = {"prompt": "word " * 5000, "max_tokens": 2000, "compression": {"enabled": False}}
         for _ in range(4):

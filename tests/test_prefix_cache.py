@@ -1,0 +1,104 @@
+"""The prefix cache in the engine: reuse that changes nothing, safe sharing, LRU-K under pressure."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from app.engine import run_to_completion
+from compression.config import resolve
+from tests.helpers import greedy, make_engine, tiny_model, tokens_of
+
+SETTINGS = {"sink_tokens": 4, "recent_window": 16, "compression_interval": 8, "score_interval": 2}
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+
+
+def ids(tokenizer, n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, len(tokenizer)) for _ in range(n)]
+
+
+def run(engine, request_id: str, prompt: list[int], max_tokens: int = 12, **compression):
+    params = resolve(engine.compression_config, compression or None, True, True)
+    engine.add_request(request_id, prompt, greedy(max_tokens, ignore_eos=True), params)
+    return run_to_completion(engine)[request_id]
+
+
+def test_chat_turn_two_reuses_turn_one_and_gives_the_same_tokens(model, tokenizer):
+    cached = make_engine(model, tokenizer, prefix_cache=True)
+    turn1 = ids(tokenizer, 120, seed=1)
+    answer = tokens_of(run(cached, "t1", turn1))
+    turn2 = turn1 + answer + ids(tokenizer, 40, seed=2)
+    out = run(cached, "t2", turn2)
+    fresh = run(make_engine(model, tokenizer), "t2", turn2)
+    assert tokens_of(out) == tokens_of(fresh)
+    # Turn 1's KV covers its prompt and all but the last answer token (never fed back).
+    assert out[-1].cached_prompt_tokens == len(turn1) + len(answer) - 1
+    assert out[-1].compression_metrics["hit_rate"] == pytest.approx((len(turn1) + len(answer) - 1) / len(turn2))
+    assert fresh[-1].cached_prompt_tokens == 0
+    assert cached.prefix_cache.hits == 1 and len(cached.prefix_cache) == 1  # turn 2 superseded turn 1
+    assert cached.store.used_bytes == cached.store.parked_bytes  # nothing running holds memory
+
+
+def test_a_prompt_equal_to_a_cached_one_still_computes_its_last_token(model, tokenizer):
+    engine = make_engine(model, tokenizer, prefix_cache=True)
+    prompt = ids(tokenizer, 64, seed=3)
+    first = tokens_of(run(engine, "a", prompt, max_tokens=1))
+    again = run(engine, "b", prompt, max_tokens=6)
+    assert again[-1].cached_prompt_tokens == len(prompt) - 1
+    assert tokens_of(again)[:1] == first
+    assert tokens_of(again) == tokens_of(run(make_engine(model, tokenizer), "c", prompt, max_tokens=6))
+
+
+def test_reuse_needs_the_same_compression_settings(model, tokenizer):
+    engine = make_engine(model, tokenizer, compression=SETTINGS, prefix_cache=True)
+    prompt = ids(tokenizer, 200, seed=4)
+    run(engine, "a", prompt, policy="h2o", compression_rate=0.5)
+    longer = prompt + ids(tokenizer, 30, seed=5)
+    assert run(engine, "b", longer, policy="snapkv", compression_rate=0.5)[-1].cached_prompt_tokens == 0
+    hit = run(engine, "c", longer, policy="h2o", compression_rate=0.5)[-1]
+    assert hit.cached_prompt_tokens == len(prompt)  # what "a" and "c" share
+    metrics = hit.compression_metrics
+    assert metrics["hit_rate"] > 0.8
+    assert metrics["compressed_size"] <= 0.5 * metrics["original_size"] + 24 * engine.store.token_bytes
+
+
+def test_concurrent_reusers_never_see_each_others_writes(model, tokenizer):
+    engine = make_engine(model, tokenizer, prefix_cache=True)
+    shared = ids(tokenizer, 100, seed=6)
+    run(engine, "system", shared, max_tokens=1)
+    parked = engine.store.parked_bytes
+    tails = [ids(tokenizer, 20 + 7 * i, seed=10 + i) for i in range(3)]
+    for i, tail in enumerate(tails):
+        engine.add_request(str(i), shared + tail, greedy(10, ignore_eos=True))
+    together = run_to_completion(engine)
+    for i, tail in enumerate(tails):
+        alone = run(make_engine(model, tokenizer), "x", shared + tail, max_tokens=10)
+        assert tokens_of(together[str(i)]) == tokens_of(alone)
+        assert together[str(i)][-1].cached_prompt_tokens == len(shared)
+    assert engine.prefix_cache.hits == 3
+    # The shorter shared entry was superseded by the longer ones, which still hold its prefix.
+    assert engine.prefix_cache.lookup(shared + [1, 2], ("none", "auto")).num_tokens == len(shared)
+    assert engine.store.parked_bytes > parked
+
+
+def test_memory_pressure_evicts_parked_entries_by_lru_2_before_preempting(model, tokenizer):
+    probe = make_engine(model, tokenizer)
+    budget = probe.store.bytes_for(300) * 2  # room for two parked prompts, not three
+    engine = make_engine(model, tokenizer, max_cache_bytes=budget, prefix_cache=True)
+    prompts = [ids(tokenizer, 280, seed=20 + i) for i in range(3)]
+    run(engine, "hot", prompts[0], max_tokens=2)
+    run(engine, "hot-again", prompts[0] + [5], max_tokens=2)  # the hot prefix is used twice
+    run(engine, "cold", prompts[1], max_tokens=2)
+    run(engine, "new", prompts[2], max_tokens=2)  # needs room: the cold entry (one use) goes
+    assert engine.prefix_cache.evictions["memory"] >= 1
+    assert engine.store.used_bytes <= budget
+    assert run(engine, "hot-3", prompts[0] + [7, 8], max_tokens=2)[-1].cached_prompt_tokens > 0
+    assert run(engine, "cold-2", prompts[1] + [7, 8], max_tokens=2)[-1].cached_prompt_tokens == 0
+    engine.prefix_cache.clear()
+    assert engine.store.used_bytes == engine.store.parked_bytes == 0
