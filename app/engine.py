@@ -87,10 +87,14 @@ class LLMEngine:
             device=next(model.parameters()).device,
             key_only_bits=self.compression_config.key_only_value_bits,
         )
-        self.compression = CompressionEngine(self.store)
+        self.compression = CompressionEngine(
+            self.store, self.compression_config.pressure_rate_ceiling, self.compression_config.pressure_rate_step
+        )
         self.runner = ModelRunner(model, self.store)
         self.prefix_cache = PrefixCache(self.store, config.lru_k) if config.prefix_cache else None
-        self.scheduler = Scheduler(self.store, config.max_num_seqs, config.max_num_batched_tokens, self.prefix_cache)
+        self.scheduler = Scheduler(
+            self.store, config.max_num_seqs, config.max_num_batched_tokens, self.prefix_cache, self.compression.relieve
+        )
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.max_model_len = _max_model_len(cfg)
         self._detok: dict[int, IncrementalDetokenizer] = {}

@@ -4,7 +4,8 @@ Each step the scheduler picks what runs: one token for every decoding sequence, 
 chunks (chunked prefill) of running and newly admitted sequences, within a per-step token
 budget. A sequence is admitted only when its remaining prompt fits in the free KV bytes. When a
 running sequence cannot grow, memory is found in this order: parked prefix-cache entries go
-first (LRU-K), then the newest running sequence is preempted: its cache is freed and it is
+first (LRU-K), then running sequences that compress are squeezed (their rate raised step by step
+up to a ceiling), and only then is the newest running sequence preempted: its cache is freed and it is
 requeued at the front to be recomputed later. A waiting sequence whose tokens start with a
 parked sequence's tokens starts from a copy of those entries (prefix reuse).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from app.model_runner import ScheduledChunk
@@ -41,9 +43,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         prefix_cache: PrefixCache | None = None,
+        relieve: Callable[[list[Sequence]], bool] | None = None,
     ) -> None:
         self.store = store
         self.prefix_cache = prefix_cache
+        self.relieve = relieve  # compresses running sequences harder; True if it freed bytes
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -140,6 +144,10 @@ class Scheduler:
             except KVBudgetExceeded:
                 if self.prefix_cache is not None and self.prefix_cache.evict_one():
                     continue  # parked prefix-cache entries go first
+                # Then compress harder, but not the sequences whose room this step is already reserved.
+                squeezable = [s for s in self.running if s not in out.sequences]
+                if self.relieve is not None and self.relieve(squeezable):
+                    continue
                 victim = self.running[-1]  # newest; never one already scheduled this step
                 if victim is seq and len(self.running) == 1:
                     out.rejected.append(seq)  # alone and still too big: it can never finish

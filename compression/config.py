@@ -60,6 +60,10 @@ class CompressionConfig(BaseModel):
         le=1.0,
         description="share of the remaining bytes the dynamic budget also removes while the model is confident",
     )
+    pressure_rate_ceiling: float = Field(
+        0.9, ge=0.0, lt=1.0, description="under memory pressure running requests compress up to this rate"
+    )
+    pressure_rate_step: float = Field(0.05, gt=0.0, le=1.0, description="how much harder at each squeeze")
     seed: int = 0
 
     @property

@@ -54,6 +54,7 @@ class SequenceState:
     steps_since_compression: int = 0
     decode_steps: int = 0
     seconds: float = 0.0
+    pressure_rate: float = 0.0  # raised under memory pressure, never lowered (dropped entries do not return)
     recall_sum: float = 0.0
     recall_count: int = 0
     audit: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> dropped keys
@@ -67,8 +68,11 @@ class SequenceState:
 
 
 class CompressionEngine:
-    def __init__(self, store: KVStore) -> None:
+    def __init__(self, store: KVStore, pressure_ceiling: float = 0.9, pressure_step: float = 0.05) -> None:
         self.store = store
+        self.pressure_ceiling = pressure_ceiling
+        self.pressure_step = pressure_step
+        self.squeezes = 0  # compressions forced by memory pressure
         self.states: dict[int, SequenceState] = {}
         self.audit_bytes = 0
         # On CUDA the compression work is queued on its own stream; each side waits for the other's
@@ -191,11 +195,38 @@ class CompressionEngine:
                 spent += elapsed
         return spent
 
+    def relieve(self, sequences: list[TrackedSequence]) -> bool:
+        """Memory pressure: compress these sequences harder, a step at a time up to the ceiling.
+
+        Returns True as soon as bytes were freed, False when every one is at the ceiling. Only
+        sequences whose room for this step is not reserved yet may be given.
+        """
+        before = self.store.used_bytes
+        while True:
+            squeezed = False
+            for seq in reversed(sequences):  # newest first: the oldest are closest to finishing
+                state = self.states.get(seq.seq_id)
+                if state is None or not state.params.active or not state.prefilled or seq.seq_id not in self.store:
+                    continue
+                current = max(state.params.compression_rate, state.pressure_rate)
+                if current >= self.pressure_ceiling:
+                    continue
+                state.pressure_rate = min(self.pressure_ceiling, current + self.pressure_step)
+                with self._on_side_stream():
+                    self.compress(seq.seq_id, seq.num_computed, state)
+                self.squeezes += 1
+                squeezed = True
+                if self.store.used_bytes < before:
+                    return True
+            if not squeezed:
+                return False
+
     # ----- the compression itself ---------------------------------------------------------
     def target_rate(self, state: SequenceState) -> float:
-        """The rate to apply now: the request's, raised while the model is confident (dynamic only)."""
+        """The rate to apply now: the request's (or the pressure's, if higher), raised while the
+        model is confident (dynamic only)."""
         params = state.params
-        rate = params.compression_rate
+        rate = max(params.compression_rate, state.pressure_rate)
         if params.policy != "dynamic" or not state.confidences:
             return rate
         recent = state.confidences[-params.compression_interval :]

@@ -102,3 +102,31 @@ def test_memory_pressure_evicts_parked_entries_by_lru_2_before_preempting(model,
     assert run(engine, "cold-2", prompts[1] + [7, 8], max_tokens=2)[-1].cached_prompt_tokens == 0
     engine.prefix_cache.clear()
     assert engine.store.used_bytes == engine.store.parked_bytes == 0
+
+
+def test_memory_pressure_compresses_harder_before_preempting(model, tokenizer):
+    """Order under pressure: prefix-cache entries, then squeezing compressing requests, then preemption."""
+    prompts_ = [ids(tokenizer, 64, seed=30 + i) for i in range(6)]
+    budget = make_engine(model, tokenizer).store.bytes_for(400)  # six growing requests: fit at 0.9, not at 0.3
+
+    def storm(ceiling: float) -> tuple:
+        engine = make_engine(
+            model, tokenizer, max_cache_bytes=budget, compression={**SETTINGS, "pressure_rate_ceiling": ceiling}
+        )
+        for i, prompt in enumerate(prompts_):
+            request = {"policy": "h2o", "compression_rate": 0.3, "kv_cache_dtype": "auto"}
+            params = resolve(engine.compression_config, request, True, False)
+            engine.add_request(str(i), prompt, greedy(120, ignore_eos=True), params)
+        preempted = 0
+        while engine.has_unfinished():
+            outs = engine.step()
+            preempted += engine.last_step.num_preempted
+            assert engine.store.used_bytes <= budget
+            assert not [o for o in outs if o.error]
+        return preempted, engine.compression.squeezes, engine.store.used_bytes
+
+    no_relief = storm(ceiling=0.3)
+    relieved = storm(ceiling=0.9)
+    assert no_relief[1] == 0 and no_relief[0] > 0  # without room to squeeze, preemption
+    assert relieved[1] > 0 and relieved[0] < no_relief[0]
+    assert relieved[2] == 0
