@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated
@@ -22,6 +23,7 @@ from app.openai_serving import OpenAIService
 from app.schemas import ErrorResponse, GenerateRequest, GenerateResponse
 from app.serving import APIError, GenerateService
 from app.settings import Settings
+from compression.config import resolve
 from models.loader import load_model
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,32 @@ def build_engine(settings: Settings) -> LLMEngine:
         compression.compression_rate,
         compression.kv_cache_dtype,
     )
-    return LLMEngine(model, tokenizer, config, compression)
+    engine = LLMEngine(model, tokenizer, config, compression)
+    if settings.prefix_cache_warmup:
+        warm_up(engine, settings)
+    return engine
+
+
+def warm_up(engine: LLMEngine, settings: Settings) -> None:
+    """Prefill the configured prompts into the prefix cache under the server's default compression."""
+    tokenizer = engine.tokenizer
+    prompts = []
+    for item in settings.prefix_cache_warmup:
+        if isinstance(item, str):
+            prompts.append(tokenizer(item).input_ids)
+        else:
+            text = tokenizer.apply_chat_template([m.model_dump() for m in item], tokenize=False)
+            prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
+    started = time.perf_counter()
+    default = resolve(engine.compression_config, None, server_enabled=settings.compression_enabled, stats=False)
+    with torch.inference_mode():
+        tokens = engine.warm_up(prompts, default)
+    log.info(
+        "prefix cache warm-up: %d prompts, %d tokens prefilled in %.1f s",
+        len(prompts),
+        tokens,
+        time.perf_counter() - started,
+    )
 
 
 def create_app(settings: Settings) -> FastAPI:

@@ -124,6 +124,18 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def warm_up(self, prompts: list[list[int]], compression: CompressionParams) -> int:
+        """Prefill `prompts` into the prefix cache (before serving); return the tokens now cached."""
+        if self.prefix_cache is None:
+            raise ValueError("warm-up needs the prefix cache; enable it or drop the warm-up prompts")
+        for i, prompt in enumerate(prompts):
+            self.add_request(f"warmup-{i}", prompt, SamplingParams(max_tokens=1, temperature=0.0), compression)
+        failed = [outs[-1].error for outs in run_to_completion(self).values() if outs[-1].error]
+        if failed:
+            raise RuntimeError(f"warm-up failed: {failed[0]}")
+        self.prefix_cache.warmup_tokens = sum(len(p) for p in prompts)
+        return self.prefix_cache.warmup_tokens
+
     def default_compression(self, stats: bool = False) -> CompressionParams:
         return resolve(self.compression_config, None, server_enabled=True, stats=stats)
 

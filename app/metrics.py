@@ -180,6 +180,11 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "kv_prefix_cache_hits", "Prompts that reused a prefix-cache entry", cache.hits if cache else 0
         )
+        yield GaugeMetricFamily(
+            "kv_prefix_cache_warmup_tokens",
+            "Prompt tokens prefilled into the prefix cache at start-up",
+            cache.warmup_tokens if cache else 0,
+        )
 
 
 def _device_memory_ratio(device: torch.device) -> float:

@@ -10,6 +10,7 @@ import torch
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 
+from app.schemas import ChatMessage
 from compression.config import DEFAULT_FILE as DEFAULT_COMPRESSION_FILE
 from compression.config import CompressionConfig, parse_size
 
@@ -45,6 +46,11 @@ class Settings(BaseSettings):
     )
     enable_prefix_cache: bool = Field(
         True, description="keep finished requests' KV for reuse by requests that start with the same tokens"
+    )
+    prefix_cache_warmup: list[str | list[ChatMessage]] = Field(
+        default_factory=list,
+        description="prompts (text, or chat messages in the chat template) prefilled into the prefix cache "
+        "at start-up, e.g. shared system prompts",
     )
     max_num_seqs: int = Field(32, ge=1, description="most sequences running at once")
     max_num_batched_tokens: int = Field(512, ge=1, description="most tokens in one forward pass (chunked prefill)")

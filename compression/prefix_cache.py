@@ -43,6 +43,7 @@ class PrefixCache:
         self.queries = 0
         self.hits = 0
         self.evictions: Counter[str] = Counter()  # entries evicted, by reason
+        self.warmup_tokens = 0  # prompt tokens prefilled at start-up
 
     def __len__(self) -> int:
         return len(self.entries)

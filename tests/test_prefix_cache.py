@@ -130,3 +130,14 @@ def test_memory_pressure_compresses_harder_before_preempting(model, tokenizer):
     assert no_relief[1] == 0 and no_relief[0] > 0  # without room to squeeze, preemption
     assert relieved[1] > 0 and relieved[0] < no_relief[0]
     assert relieved[2] == 0
+
+
+def test_warm_up_prefills_shared_prompts_for_later_requests(model, tokenizer):
+    engine = make_engine(model, tokenizer, prefix_cache=True)
+    system = ids(tokenizer, 80, seed=40)
+    assert engine.warm_up([system], engine.default_compression()) == 80
+    assert len(engine.prefix_cache) == 1 and engine.store.used_bytes == engine.store.parked_bytes > 0
+    out = run(engine, "user", system + ids(tokenizer, 20, seed=41), max_tokens=4)
+    assert out[-1].cached_prompt_tokens == 80
+    with pytest.raises(ValueError, match="prefix cache"):
+        make_engine(model, tokenizer).warm_up([system], engine.default_compression())

@@ -306,3 +306,18 @@ def test_chat_turn_two_reuses_turn_one_from_the_prefix_cache(server):
     # The same tokens without the cache give the same greedy answer.
     again = post(server, {"messages": turn2, "max_tokens": 8, "temperature": 0, "compression": {"enabled": False}})
     assert again.json()["text"] == second["text"]
+
+
+def test_warm_up_serves_the_first_request_from_the_prefix_cache(default_path, tmp_path):
+    config = tmp_path / "server.yaml"
+    system = "You are a patient assistant who answers questions about the Python standard library in detail."
+    config.write_text(f"prefix_cache_warmup:\n  - [{{role: system, content: '{system}'}}]\n")
+    srv = LiveServer("--model-path", str(default_path), "--max-cache-size", "256", "--config", str(config))
+    try:
+        assert srv.metric("kv_prefix_cache_warmup_tokens") > 20
+        assert srv.metric("kv_cache_bytes", '{pool="prefix"}') > 0
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "What is itertools?"}]
+        body = post(srv, {"messages": messages, "max_tokens": 4, "temperature": 0}).json()
+        assert body["usage"]["cached_prompt_tokens"] > 20
+    finally:
+        srv.stop()

@@ -49,3 +49,19 @@ def test_model_name_served_to_openai_clients(tmp_path):
     assert load_settings([]).model_name() == "SmolLM2-135M-Instruct"
     assert load_settings(["--model-path", str(tmp_path / "my-model")]).model_name() == "my-model"
     assert load_settings(["--served-model-name", "chat", "--model-path", str(tmp_path)]).model_name() == "chat"
+
+
+def test_prefix_cache_warmup_takes_text_and_chats(tmp_path):
+    config = tmp_path / "server.yaml"
+    config.write_text(
+        "prefix_cache_warmup:\n"
+        "  - You are a careful assistant.\n"
+        "  - [{role: system, content: Answer briefly.}]\n"
+    )
+    warmup = load_settings(["--config", str(config)]).prefix_cache_warmup
+    assert warmup[0] == "You are a careful assistant."
+    assert warmup[1][0].role == "system" and warmup[1][0].content == "Answer briefly."
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("prefix_cache_warmup:\n  - [{role: robot, content: x}]\n")
+    with pytest.raises(ValidationError):
+        load_settings(["--config", str(bad)])
