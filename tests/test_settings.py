@@ -54,9 +54,7 @@ def test_model_name_served_to_openai_clients(tmp_path):
 def test_prefix_cache_warmup_takes_text_and_chats(tmp_path):
     config = tmp_path / "server.yaml"
     config.write_text(
-        "prefix_cache_warmup:\n"
-        "  - You are a careful assistant.\n"
-        "  - [{role: system, content: Answer briefly.}]\n"
+        "prefix_cache_warmup:\n  - You are a careful assistant.\n  - [{role: system, content: Answer briefly.}]\n"
     )
     warmup = load_settings(["--config", str(config)]).prefix_cache_warmup
     assert warmup[0] == "You are a careful assistant."
