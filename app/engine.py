@@ -162,11 +162,15 @@ class LLMEngine:
     # ----- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        finished: list[Sequence] = []
+        now = time.monotonic()
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if seq.params.deadline is not None and now > seq.params.deadline:
+                self._finish(seq, FinishReason.TIMEOUT, outputs, finished)
         sched = self.scheduler.schedule()
         for seq in sched.preempted:
             self.compression.preempted(seq.seq_id)
-        outputs: list[RequestOutput] = []
-        finished: list[Sequence] = []
         out_of_memory = len(sched.rejected)
         for seq in sched.rejected:
             need = self.store.bytes_for(seq.num_uncomputed, self.store.codec_of(seq.seq_id))

@@ -21,6 +21,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # report the sampled token's log-probability and this many alternatives
+    deadline: float | None = None  # time.monotonic() after which the request ends with TIMEOUT
 
     @property
     def greedy(self) -> bool:
@@ -37,6 +38,7 @@ class FinishReason(StrEnum):
     STOP = "stop"  # EOS or a stop string
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # cancelled, e.g. the client went away
+    TIMEOUT = "timeout"  # its deadline passed
     ERROR = "error"  # failed inside the engine
 
 

@@ -103,6 +103,7 @@ class GenerateService:
             seed=req.seed,
             stop=tuple(req.stop),
             logprobs=logprobs,
+            deadline=_deadline(arrival, req.timeout or self.settings.request_timeout),
         )
         return PreparedRequest(f"{id_prefix}-{uuid.uuid4().hex}", ids, params, compression, arrival)
 
@@ -211,6 +212,10 @@ def _usage(out: RequestOutput) -> Usage:
         completion_tokens=out.completion_tokens,
         cached_prompt_tokens=out.cached_prompt_tokens,
     )
+
+
+def _deadline(arrival: float, timeout: float | None) -> float | None:
+    return arrival + timeout if timeout is not None else None
 
 
 async def _wait_disconnect(request: Request) -> None:

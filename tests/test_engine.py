@@ -131,3 +131,17 @@ def test_max_tokens_and_eos_end_a_request(model, tokenizer):
     out = run_to_completion(engine)["e"]
     assert out[-1].finish_reason == "stop" and out[-1].completion_tokens == 1
     assert isinstance(text_of(out), str)
+
+
+def test_a_request_past_its_deadline_ends_with_timeout_and_frees_its_memory(model, tokenizer):
+    import time
+
+    engine = make_engine(model, tokenizer)
+    late, fine = prompts(tokenizer, [40, 40])
+    engine.add_request("late", late, greedy(500, ignore_eos=True, deadline=time.monotonic() + 0.2))
+    engine.add_request("fine", fine, greedy(6, ignore_eos=True))
+    results = run_to_completion(engine)
+    assert results["late"][-1].finish_reason == "timeout"
+    assert results["late"][-1].completion_tokens < 500
+    assert results["fine"][-1].finish_reason == "length" and results["fine"][-1].completion_tokens == 6
+    assert engine.store.used_bytes == 0

@@ -127,6 +127,7 @@ def test_seeds_reproduce_under_concurrency(server):
         ({"prompt_token_ids": [1, -2]}, "prompt_token_ids.1"),
         ({"prompt_token_ids": [10**7]}, "prompt_token_ids"),
         ({"prompt": "a", "prompt_token_ids": [1]}, "body"),
+        ({"prompt": "a", "timeout": 0}, "timeout"),
     ],
 )
 def test_bad_input_gets_422_naming_the_field(server, body, field):
@@ -321,3 +322,10 @@ def test_warm_up_serves_the_first_request_from_the_prefix_cache(default_path, tm
         assert body["usage"]["cached_prompt_tokens"] > 20
     finally:
         srv.stop()
+
+
+def test_request_timeout_ends_the_request_with_its_memory_back(server):
+    body = {"prompt": "Count from 1 to 1000: 1, 2, 3,", "max_tokens": 500, "temperature": 0, "timeout": 1.0}
+    answer = post(server, body).json()
+    assert answer["finish_reason"] == "timeout" and answer["usage"]["completion_tokens"] < 500
+    assert wait_for_kv_bytes(server, 0.0) == 0.0
