@@ -11,6 +11,7 @@ from typing import Annotated
 import torch
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
@@ -18,6 +19,7 @@ from sse_starlette.sse import EventSourceResponse
 from app.async_engine import AsyncEngine, EngineDeadError
 from app.engine import EngineConfig, LLMEngine
 from app.metrics import Metrics
+from app.middleware import OPENAI_PREFIX, APIKeyMiddleware, BodySizeLimitMiddleware, error_body
 from app.openai_api import router as openai_router
 from app.openai_serving import OpenAIService
 from app.schemas import ErrorResponse, GenerateRequest, GenerateResponse
@@ -106,6 +108,16 @@ def create_app(settings: Settings) -> FastAPI:
     )
 
     app.include_router(openai_router)
+    # Outermost last: the size limit and the key check answer before any body is parsed.
+    if settings.cors_allow_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=settings.cors_allow_origins, allow_methods=["*"], allow_headers=["*"]
+        )
+    keys = settings.api_keys()
+    if keys:
+        open_paths = {"/health"} | ({"/metrics"} if settings.public_metrics else set())
+        app.add_middleware(APIKeyMiddleware, keys=keys, open_paths=open_paths)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -164,7 +176,7 @@ def _service(request: Request) -> GenerateService:
 
 
 def _is_openai(request: Request) -> bool:
-    return request.url.path.startswith(openai_router.prefix + "/")
+    return request.url.path.startswith(OPENAI_PREFIX)
 
 
 def _error(
@@ -175,14 +187,10 @@ def _error(
     headers: dict[str, str] | None = None,
     param: str | None = None,
 ) -> JSONResponse:
-    """Our error body; on the OpenAI routes OpenAI's shape, with our type as its `code`."""
     if _is_openai(request):
         status = 400 if status == 422 else status  # OpenAI has no 422
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        error = {"message": message, "type": kind, "param": param, "code": type_}
-    else:
-        error = {"type": type_, "message": message, **({"fields": param} if param else {})}
-    return JSONResponse(status_code=status, content={"error": error}, headers=headers)
+    body = error_body(request.url.path, status, type_, message, param)
+    return JSONResponse(status_code=status, content=body, headers=headers)
 
 
 def _jsonable(errors: list[dict]) -> list[dict]:

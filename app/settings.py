@@ -65,6 +65,18 @@ class Settings(BaseSettings):
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     torch_threads: int | None = Field(None, ge=1, description="CPU threads for torch; default: all cores")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' on every route but /health")
+    api_key_file: Path | None = Field(None, description="file with one accepted API key per line")
+    public_metrics: bool = Field(False, description="with API keys, leave /metrics open (for Prometheus)")
+    max_request_bytes: int = Field(2**20, ge=1024, description="larger request bodies get 413")
+    cors_allow_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS; none: CORS off")
+
+    def api_keys(self) -> list[str]:
+        keys = [self.api_key] if self.api_key else []
+        if self.api_key_file is not None:
+            lines = self.api_key_file.read_text().splitlines()
+            keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+        return keys
 
     @field_validator("max_cache_size")
     @classmethod

@@ -95,7 +95,8 @@ def free_port() -> int:
 class LiveServer:
     """`serve.py` started as a real process on loopback."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, api_key: str | None = None) -> None:
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [
@@ -122,7 +123,7 @@ class LiveServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited early:\n{self.log_path.read_text()[-4000:]}")
             try:
-                if httpx.get(f"{self.url}/ready", timeout=1).status_code == 200:
+                if httpx.get(f"{self.url}/ready", timeout=1, headers=self.headers).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -132,7 +133,7 @@ class LiveServer:
 
     def metric(self, name: str, labels: str = "") -> float:
         """Read one sample from /metrics, e.g. metric('kv_cache_bytes', '{pool="running"}')."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        text = httpx.get(f"{self.url}/metrics", timeout=10, headers=self.headers).text
         for line in text.splitlines():
             if line.startswith(name + labels + " "):
                 return float(line.rsplit(" ", 1)[1])

@@ -329,3 +329,24 @@ def test_request_timeout_ends_the_request_with_its_memory_back(server):
     answer = post(server, body).json()
     assert answer["finish_reason"] == "timeout" and answer["usage"]["completion_tokens"] < 500
     assert wait_for_kv_bytes(server, 0.0) == 0.0
+
+
+def test_api_keys_guard_every_route_but_health(default_path, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# one key per line\nteam-a\nteam-b\n")
+    srv = LiveServer(
+        "--model-path", str(default_path), "--max-cache-size", "64", "--api-key-file", str(keys), api_key="team-b"
+    )
+    try:
+        body = {"prompt": "Hi", "max_tokens": 2}
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+        assert httpx.post(f"{srv.url}/generate", json=body).status_code == 401
+        assert httpx.get(f"{srv.url}/metrics").status_code == 401
+        assert httpx.get(f"{srv.url}/v1/models").json()["error"]["type"] == "authentication_error"
+        ok = httpx.post(f"{srv.url}/generate", json=body, headers={"Authorization": "Bearer team-a"}, timeout=60)
+        assert ok.status_code == 200
+        assert srv.metric("requests_total", '{status="length"}') == 1  # the refused ones never reached the engine
+        big = {"prompt": "x" * (2**20 + 10)}
+        assert httpx.post(f"{srv.url}/generate", json=big, headers=srv.headers).status_code == 413
+    finally:
+        srv.stop()
