@@ -161,6 +161,8 @@ def create_app(settings: Settings) -> FastAPI:
         engine: AsyncEngine | None = getattr(request.app.state, "engine", None)
         if engine is None or not engine.is_running:
             return JSONResponse(status_code=503, content={"status": "not_ready"})
+        if request.app.state.service.draining:
+            return JSONResponse(status_code=503, content={"status": "shutting_down"})
         return {"status": "ready"}
 
     @app.get("/metrics")

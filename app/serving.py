@@ -59,10 +59,15 @@ class GenerateService:
         self.metrics = metrics
         self.max_model_len = engine.engine.max_model_len
         self.compression_config = engine.engine.compression_config
+        self.draining = False  # set on shutdown: refuse new requests
 
     def prepare(self, req: GenerateRequest, logprobs: int | None = None, id_prefix: str = "gen") -> PreparedRequest:
         """Tokenize and check a request; raise APIError if it cannot be served."""
         arrival = time.monotonic()
+        if self.draining:
+            self._refuse(503)
+            message = "the server is shutting down; retry on another instance"
+            raise APIError(503, "shutting_down", message, {"Retry-After": "5"})
         if self.engine.num_pending >= self.settings.max_queue_size + self.settings.max_num_seqs:
             self._refuse(503)
             raise APIError(503, "overloaded", "the request queue is full; retry later", {"Retry-After": "1"})

@@ -350,3 +350,29 @@ def test_api_keys_guard_every_route_but_health(default_path, tmp_path):
         assert httpx.post(f"{srv.url}/generate", json=big, headers=srv.headers).status_code == 413
     finally:
         srv.stop()
+
+
+def test_sigterm_refuses_new_requests_and_lets_running_ones_finish(default_path):
+    import signal
+    import threading
+
+    srv = LiveServer("--model-path", str(default_path), "--max-cache-size", "64", "--shutdown-grace-period", "120")
+    try:
+        answers = []
+        long = {"prompt": "Count from 1 to 100: 1, 2, 3,", "max_tokens": 48, "temperature": 0}
+        worker = threading.Thread(target=lambda: answers.append(post(srv, long)))
+        worker.start()
+        deadline = time.monotonic() + 30
+        while srv.metric("requests_running") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        refused = post(srv, {"prompt": "Hi", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "5"
+        assert refused.json()["error"]["type"] == "shutting_down"
+        assert httpx.get(f"{srv.url}/ready").status_code == 503
+        worker.join(120)
+        assert answers[0].status_code == 200 and answers[0].json()["usage"]["completion_tokens"] == 48
+        assert srv.proc.wait(30) == 0
+    finally:
+        srv.stop()
