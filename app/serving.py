@@ -60,6 +60,7 @@ class GenerateService:
         self.max_model_len = engine.engine.max_model_len
         self.compression_config = engine.engine.compression_config
         self.draining = False  # set on shutdown: refuse new requests
+        self.pending_tokens = 0  # prompt tokens of requests accepted and not finished
 
     def prepare(self, req: GenerateRequest, logprobs: int | None = None, id_prefix: str = "gen") -> PreparedRequest:
         """Tokenize and check a request; raise APIError if it cannot be served."""
@@ -72,6 +73,10 @@ class GenerateService:
             self._refuse(503)
             raise APIError(503, "overloaded", "the request queue is full; retry later", {"Retry-After": "1"})
         ids = self._tokenize(req)
+        if self.pending_tokens and self.pending_tokens + len(ids) > self.settings.max_queue_tokens:
+            self._refuse(503)
+            message = f"{self.pending_tokens} prompt tokens are already queued or running; retry later"
+            raise APIError(503, "overloaded", message, {"Retry-After": "1"})
         max_tokens = req.max_tokens or min(self.settings.default_max_tokens, max(1, self.max_model_len - len(ids)))
         if len(ids) + max_tokens > self.max_model_len:
             self._refuse(413)
@@ -158,6 +163,7 @@ class GenerateService:
         """The request's outputs as the engine makes them; closing the iterator aborts the request."""
         first: float | None = None
         last: RequestOutput | None = None
+        self.pending_tokens += len(prepared.prompt_token_ids)
         try:
             async for out in self.engine.generate(
                 prepared.prompt_token_ids, prepared.params, prepared.request_id, prepared.compression
@@ -169,6 +175,7 @@ class GenerateService:
         except ValueError as exc:
             raise APIError(400, "invalid_request", str(exc)) from exc
         finally:
+            self.pending_tokens -= len(prepared.prompt_token_ids)
             status = (last.finish_reason if last and last.finished else "abort") or "abort"
             self.metrics.observe_request(
                 status,

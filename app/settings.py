@@ -55,6 +55,9 @@ class Settings(BaseSettings):
     max_num_seqs: int = Field(32, ge=1, description="most sequences running at once")
     max_num_batched_tokens: int = Field(512, ge=1, description="most tokens in one forward pass (chunked prefill)")
     max_queue_size: int = Field(256, ge=0, description="most requests waiting; beyond it 503 with Retry-After")
+    max_queue_tokens: int = Field(
+        262144, ge=1, description="most prompt tokens queued or running; beyond it 503 with Retry-After"
+    )
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
     shutdown_grace_period: float = Field(
         30.0, ge=0.0, description="on SIGTERM, seconds running requests may take to finish (new ones get 503)"

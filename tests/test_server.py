@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -374,5 +375,44 @@ def test_sigterm_refuses_new_requests_and_lets_running_ones_finish(default_path)
         worker.join(120)
         assert answers[0].status_code == 200 and answers[0].json()["usage"]["completion_tokens"] == 48
         assert srv.proc.wait(30) == 0
+    finally:
+        srv.stop()
+
+
+def test_a_burst_is_bounded_by_the_queue_and_never_exceeds_the_kv_budget(default_path):
+    srv = LiveServer(
+        "--model-path", str(default_path), "--max-cache-size", "24", "--max-num-seqs", "4", "--max-queue-size", "4"
+    )
+    try:
+        capacity = srv.metric("kv_cache_capacity_bytes")
+        prompt = " ".join(f"Line {i} of a long document about boxes." for i in range(40))
+        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0.7, "compression": {"enabled": False}}
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=300) as client:
+                return await asyncio.gather(*(client.post(f"{srv.url}/generate", json=body) for _ in range(20)))
+
+        peak = 0.0
+        done = threading.Event()
+
+        def watch() -> None:
+            nonlocal peak
+            while not done.is_set():
+                held = srv.metric("kv_cache_bytes", '{pool="running"}') + srv.metric("kv_cache_bytes", '{pool="prefix"}')
+                peak = max(peak, held)
+                time.sleep(0.05)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            answers = asyncio.run(burst())
+        finally:
+            done.set()
+            watcher.join()
+        codes = [a.status_code for a in answers]
+        assert set(codes) == {200, 503}, codes  # served or refused, nothing else
+        assert all(a.headers["retry-after"] for a in answers if a.status_code == 503)
+        assert 0 < peak <= capacity
+        assert srv.metric("kv_cache_bytes", '{pool="running"}') == 0
     finally:
         srv.stop()
