@@ -398,8 +398,8 @@ def test_a_burst_is_bounded_by_the_queue_and_never_exceeds_the_kv_budget(default
         def watch() -> None:
             nonlocal peak
             while not done.is_set():
-                held = srv.metric("kv_cache_bytes", '{pool="running"}') + srv.metric("kv_cache_bytes", '{pool="prefix"}')
-                peak = max(peak, held)
+                running = srv.metric("kv_cache_bytes", '{pool="running"}')
+                peak = max(peak, running + srv.metric("kv_cache_bytes", '{pool="prefix"}'))
                 time.sleep(0.05)
 
         watcher = threading.Thread(target=watch)
