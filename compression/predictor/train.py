@@ -1,0 +1,102 @@
+"""Train the value predictor on traces: windows of entry features and the attention that followed.
+
+A trace file (`.safetensors`) holds `windows` [samples, observation_steps, features] and `targets`
+[samples] (log1p of the future attention mass). Training shows progress, keeps a validation split,
+stops early when validation stops improving, and saves the best weights with their metadata.
+
+    python -m compression.predictor.train --traces traces/ --out models/predictor/default.safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from tqdm import tqdm
+
+from compression.predictor.model import PredictorConfig, ValuePredictor, save_predictor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class History:
+    train_loss: list[float]
+    validation_loss: list[float]
+    best_epoch: int
+
+
+def load_traces(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no trace files (*.safetensors) in {folder}; collect some first")
+    parts = [load_file(str(f)) for f in files]
+    return torch.cat([p["windows"] for p in parts]), torch.cat([p["targets"] for p in parts])
+
+
+def train(
+    windows: torch.Tensor, targets: torch.Tensor, config: PredictorConfig, seed: int = 0, progress: bool = True
+) -> tuple[ValuePredictor, History]:
+    """Fit a predictor; returns the weights of the best validation epoch."""
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    order = torch.randperm(len(targets), generator=generator)
+    split = max(1, int(len(targets) * config.validation_share))
+    valid, fit = order[:split], order[split:]
+    predictor = ValuePredictor(config)
+    optimiser = torch.optim.Adam(predictor.parameters(), lr=config.learning_rate)
+    loss_fn = nn.MSELoss()
+    history = History([], [], 0)
+    best, best_state, stale = float("inf"), None, 0
+    epochs = tqdm(range(config.max_epochs), desc="training predictor", unit="epoch", disable=not progress)
+    for epoch in epochs:
+        predictor.train()
+        shuffled = fit[torch.randperm(len(fit), generator=generator)]
+        total = 0.0
+        for start in range(0, len(shuffled), config.batch_size):
+            batch = shuffled[start : start + config.batch_size]
+            optimiser.zero_grad()
+            loss = loss_fn(predictor(windows[batch]), targets[batch])
+            loss.backward()
+            optimiser.step()
+            total += loss.item() * len(batch)
+        history.train_loss.append(total / len(fit))
+        predictor.eval()
+        with torch.no_grad():
+            validation = float(loss_fn(predictor(windows[valid]), targets[valid]))
+        history.validation_loss.append(validation)
+        epochs.set_postfix(train=f"{history.train_loss[-1]:.4f}", valid=f"{validation:.4f}")
+        if validation < best:
+            best, stale, history.best_epoch = validation, 0, epoch
+            best_state = {k: v.clone() for k, v in predictor.state_dict().items()}
+        else:
+            stale += 1
+            if stale >= config.patience:
+                break
+    predictor.load_state_dict(best_state)
+    return predictor.eval(), history
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--traces", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--fingerprint", required=True, help="model_fingerprint() of the model the traces came from")
+    parser.add_argument("--config", type=Path, default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    config = PredictorConfig.load(args.config)
+    windows, targets = load_traces(args.traces)
+    predictor, history = train(windows, targets, config)
+    save_predictor(predictor, args.out, args.fingerprint, {"best_validation_loss": min(history.validation_loss)})
+    best = min(history.validation_loss)
+    log.info("saved %s (best epoch %d, validation loss %.4f)", args.out, history.best_epoch, best)
+
+
+if __name__ == "__main__":
+    main()
