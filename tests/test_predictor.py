@@ -9,10 +9,10 @@ from compression.predictor import PredictorConfig, ValuePredictor, load_predicto
 from compression.predictor.train import train
 from tests.helpers import tiny_model
 
-SMALL = {"hidden_size": 16, "num_layers": 1, "learning_rate": 1e-2, "max_epochs": 15, "batch_size": 64}
+SMALL = {"hidden_size": 16, "num_layers": 1, "learning_rate": 1e-2, "max_epochs": 12, "batch_size": 64}
 
 
-def synthetic(n: int = 1200, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, PredictorConfig]:
+def synthetic(n: int = 600, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, PredictorConfig]:
     """Future attention follows recent attention, fading with age: learnable, not trivial."""
     config = PredictorConfig.load(**SMALL)
     g = torch.Generator().manual_seed(seed)
