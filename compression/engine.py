@@ -237,6 +237,8 @@ class CompressionEngine:
         params = state.params
         store = self.store
         rate = self.target_rate(state)
+        if rate <= 0.0:
+            return  # nothing to remove: attention is still observed (traces, scores for later)
         per_token = store.model_token_bytes / store.num_layers
         full_bytes, key_only_bytes = store.entry_bytes(store.codec_of(seq_id))
         # Buffers are sized in chunks: leave room for that rounding so the held bytes meet the target.

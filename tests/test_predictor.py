@@ -56,3 +56,39 @@ def test_saved_weights_load_with_identical_predictions_and_refuse_another_model(
     with pytest.raises(ValueError, match="trained on another model"):
         load_predictor(path, model_fingerprint(gpt2.config))
     assert load_predictor(tmp_path / "missing.safetensors", model_fingerprint(llama.config)) is None
+
+
+def test_traces_record_every_decode_step_and_targets_sum_the_future(tokenizer):
+    import random
+
+    from app.engine import EngineConfig, LLMEngine
+    from compression.config import CompressionConfig
+    from compression.predictor.collect import record, samples
+    from compression.predictor.features import target
+
+    model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    engine = LLMEngine(
+        model,
+        tokenizer,
+        EngineConfig(max_cache_bytes=2**28),
+        CompressionConfig(score_interval=1, compression_interval=10**6),
+    )
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 1000) for _ in range(30 + 10 * i)] for i in range(2)]
+    recordings = record(engine, prompts, max_tokens=12)
+    for rec, prompt in zip(recordings, prompts, strict=True):
+        assert len(rec.confidences) == 12 and rec.prompt_len == len(prompt)
+        for layer_masses in rec.masses:
+            assert len(layer_masses) == 11  # one per decode step (the first token comes from prefill)
+            for j, mass in enumerate(layer_masses):
+                assert len(mass) == len(prompt) + j + 1  # every held entry and the query itself
+                assert float(mass.sum()) == pytest.approx(1.0, abs=1e-4)  # one query's attention
+    config = PredictorConfig.load(observation_steps=2, prediction_window=4)
+    windows, targets = samples(recordings[0], config, stride=2, per_step=5, rng=random.Random(1))
+    assert windows.shape[1:] == (2, config.num_features) and len(windows) == len(targets) > 0
+    # The first sample: layer 0, observation 1, its entries; the target sums observations 2..5.
+    first = recordings[0].masses[0]
+    entries = torch.tensor(sorted(random.Random(1).sample(range(len(first[0])), 5)))
+    future = sum(first[j][entries] for j in range(2, 6))
+    assert torch.allclose(targets[:5], target(future))
+    assert engine.store.used_bytes == 0

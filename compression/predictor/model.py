@@ -17,6 +17,8 @@ import yaml
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from compression.predictor.features import FEATURES
+
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "prediction_model.yaml"
 
 
@@ -42,6 +44,8 @@ class PredictorConfig:
         data.update(overrides)
         if data.get("model_arch") != "lstm":
             raise ValueError(f"model_arch {data.get('model_arch')!r} is not supported; use lstm")
+        if tuple(data["features"]) != FEATURES:
+            raise ValueError(f"features must be {list(FEATURES)}: those are the ones traces and scoring compute")
         return cls(**{**data, "features": tuple(data["features"])})
 
     @property

@@ -4,7 +4,7 @@ A trace file (`.safetensors`) holds `windows` [samples, observation_steps, featu
 [samples] (log1p of the future attention mass). Training shows progress, keeps a validation split,
 stops early when validation stops improving, and saves the best weights with their metadata.
 
-    python -m compression.predictor.train --traces traces/ --out models/predictor/default.safetensors
+    python -m compression.predictor.train --traces traces/ --out models/predictor/SmolLM2-135M-Instruct.safetensors
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from torch import nn
 from tqdm import tqdm
 
-from compression.predictor.model import PredictorConfig, ValuePredictor, save_predictor
+from compression.predictor.model import PredictorConfig, ValuePredictor, model_fingerprint, save_predictor
 
 log = logging.getLogger(__name__)
 
@@ -86,14 +86,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traces", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--fingerprint", required=True, help="model_fingerprint() of the model the traces came from")
+    parser.add_argument("--model-path", type=Path, default=None, help="the model the traces came from (default: embedded)")
     parser.add_argument("--config", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
+    from transformers import AutoConfig
+
+    from models.default_model import default_model_path
+
+    fingerprint = model_fingerprint(AutoConfig.from_pretrained(args.model_path or default_model_path()))
     config = PredictorConfig.load(args.config)
     windows, targets = load_traces(args.traces)
     predictor, history = train(windows, targets, config)
-    save_predictor(predictor, args.out, args.fingerprint, {"best_validation_loss": min(history.validation_loss)})
+    save_predictor(predictor, args.out, fingerprint, {"best_validation_loss": min(history.validation_loss)})
     best = min(history.validation_loss)
     log.info("saved %s (best epoch %d, validation loss %.4f)", args.out, history.best_epoch, best)
 
