@@ -86,7 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traces", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--model-path", type=Path, default=None, help="the model the traces came from (default: embedded)")
+    parser.add_argument("--model-path", type=Path, default=None, help="the traces' model (default: embedded)")
     parser.add_argument("--config", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
