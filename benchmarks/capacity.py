@@ -12,7 +12,6 @@ Results: benchmarks/results/capacity.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from app.sequence import SamplingParams  # noqa: E402
 from benchmarks.corpus import text_of_tokens  # noqa: E402
+from benchmarks.report import save_report  # noqa: E402
 from compression.config import CompressionConfig, resolve  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
@@ -101,13 +101,7 @@ def main() -> None:
             f"{r['preemptions']} | {r['squeezes']} | {r['mean_compression_ratio']:.3f} | "
             f"{r['output_tokens_per_s']:.1f} | {r['wall_s']:.0f} |"
         )
-    table = "\n".join(lines)
-    print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text("# Capacity benchmark\n\n" + table + "\n")
-    settings = {k: str(v) for k, v in vars(args).items() if k != "out"}
-    report = {"args": settings, "budget": budget, "results": results}
-    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    save_report(args.out, "Capacity benchmark", "\n".join(lines), {"budget": budget, "results": results}, args)
 
 
 if __name__ == "__main__":

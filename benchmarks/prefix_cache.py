@@ -13,7 +13,6 @@ Results: benchmarks/results/prefix_cache.{json,md,png}.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from app.sequence import SamplingParams  # noqa: E402
 from benchmarks.corpus import paragraphs  # noqa: E402
+from benchmarks.report import save_report  # noqa: E402
 from compression.config import CompressionConfig, resolve  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
@@ -120,12 +120,7 @@ def report(results: dict, args) -> None:
         f"Prefix hit rate of turns 2-{args.turns} (prompt tokens served from the cache): "
         f"{results['with']['hit_rate']:.1%}.",
     ]
-    table = "\n".join(lines)
-    print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text("# Prefix cache benchmark\n\n" + table + "\n")
-    settings = {k: str(v) for k, v in vars(args).items() if k != "out"}
-    args.out.with_suffix(".json").write_text(json.dumps({"args": settings, "results": results}, indent=2))
+    save_report(args.out, "Prefix cache benchmark", "\n".join(lines), {"results": results}, args)
     plot(rows, args.out.with_suffix(".png"))
 
 

@@ -13,7 +13,6 @@ Results: benchmarks/results/quality.{json,md,png}.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from app.sequence import SamplingParams  # noqa: E402
+from benchmarks.report import save_report  # noqa: E402
 from benchmarks.tasks import fidelity_cases, needle_cases  # noqa: E402
 from compression.config import CompressionConfig, resolve  # noqa: E402
 from models.loader import load_model  # noqa: E402
@@ -165,14 +165,7 @@ def report(rows: list[Row], args, needles, summaries) -> None:
             f"| {r.setup.label} | {rate} | {r.memory_kept:.3f} | {r.needle_relative:.0%} | "
             f"{r.rouge_l:.3f} | {r.recall:.3f} |"
         )
-    table = "\n".join(lines)
-    print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text("# Quality benchmark\n\n" + table + "\n")
-    settings = {k: str(v) for k, v in vars(args).items() if k != "out"}
-    args.out.with_suffix(".json").write_text(
-        json.dumps({"args": settings, "rows": [asdict(r) for r in rows]}, indent=2)
-    )
+    save_report(args.out, "Quality benchmark", "\n".join(lines), {"rows": [asdict(r) for r in rows]}, args)
     plot(rows, args.out.with_suffix(".png"))
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import platform
 import statistics
 import sys
@@ -29,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from app.sequence import SamplingParams  # noqa: E402
 from benchmarks.corpus import text_of_tokens  # noqa: E402
+from benchmarks.report import save_report  # noqa: E402
 from compression.config import CompressionConfig, resolve  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
@@ -184,10 +184,7 @@ def main() -> None:
     model, tokenizer = load_model(args.model_path, torch.device("cpu"))
     overhead = measure_overhead(model, tokenizer, args.overhead_seqs, args.overhead_prompt_tokens, 48)
     overhead_md = overhead_table(overhead, args)
-    print(overhead_md)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_name(args.out.name + "_overhead").with_suffix(".json").write_text(json.dumps(overhead, indent=2))
-    args.out.with_name(args.out.name + "_overhead").with_suffix(".md").write_text(overhead_md + "\n")
+    save_report(args.out.with_name(args.out.name + "_overhead"), "Compression overhead", overhead_md, overhead)
     if args.overhead_only:
         return
     del model
@@ -261,9 +258,6 @@ def report(runs: list[Run], args) -> None:
             lines.append(
                 f"| {c} | {name} | {r.tokens_per_s:.1f} | {r.median_tpot_ms:.1f} | {r.median_ttft_s:.2f} | {ratio} |"
             )
-    table = "\n".join(lines)
-    print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "prompt_tokens": args.prompt_tokens,
         "max_new_tokens": args.max_new_tokens,
@@ -274,8 +268,7 @@ def report(runs: list[Run], args) -> None:
         "processor": platform.processor(),
     }
     payload = {"meta": meta, "runs": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in runs]}
-    args.out.with_suffix(".json").write_text(json.dumps(payload, indent=2))
-    args.out.with_suffix(".md").write_text("# Serving benchmark\n\n" + table + "\n")
+    save_report(args.out, "Serving benchmark", "\n".join(lines), payload)
 
 
 if __name__ == "__main__":

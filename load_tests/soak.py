@@ -10,7 +10,6 @@ audit pools do not come back to zero at the end. Results: load_tests/results/soa
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import threading
 import time
@@ -21,6 +20,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.report import save_report  # noqa: E402
 from load_tests.run import ROOT, run_locust, start_server  # noqa: E402
 
 RESULTS = ROOT / "load_tests" / "results"
@@ -85,8 +85,6 @@ def main() -> int:
         "samples": samples,
     }
     ok = code == 0 and growth <= args.max_rss_growth and end.get("running", 0) == 0 and end.get("audit", 0) == 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
     table = "\n".join(
         [
             f"Soak: {args.duration}, {args.users} locust users; {'PASS' if ok else 'FAIL'}.",
@@ -102,8 +100,7 @@ def main() -> int:
             f"{end.get('prefix', 0):.0f}, {end.get('audit', 0):.0f} |",
         ]
     )
-    print(table)
-    args.out.with_suffix(".md").write_text("# Soak test\n\n" + table + "\n")
+    save_report(args.out, "Soak test", table, report)
     plot(samples, args.out.with_suffix(".png"))
     return 0 if ok else 1
 

@@ -1,0 +1,17 @@
+"""How every benchmark saves its figures: the table printed, OUT.md and OUT.json beside each other."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def save_report(out: Path, title: str, table: str, data: dict, args: argparse.Namespace | None = None) -> None:
+    """Print `table`; write it as OUT.md under `title`, and `data` (with the run's arguments) as OUT.json."""
+    print(table)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(f"# {title}\n\n{table}\n")
+    # Arguments as text, without the output path (it would name this machine's folders).
+    settings = {"args": {k: str(v) for k, v in vars(args).items() if k != "out"}} if args is not None else {}
+    out.with_suffix(".json").write_text(json.dumps({**settings, **data}, indent=2))
