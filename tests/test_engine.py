@@ -145,3 +145,30 @@ def test_a_request_past_its_deadline_ends_with_timeout_and_frees_its_memory(mode
     assert results["late"][-1].completion_tokens < 500
     assert results["fine"][-1].finish_reason == "length" and results["fine"][-1].completion_tokens == 6
     assert engine.store.used_bytes == 0
+
+
+def test_nan_logits_or_a_detokenizer_fault_fail_one_request_only(model, tokenizer):
+    import torch
+
+    engine = make_engine(model, tokenizer)
+    batch = prompts(tokenizer, [12, 14, 16])
+    for i, p in enumerate(batch):
+        engine.add_request(str(i), p, greedy(6, ignore_eos=True))
+    run = engine.runner.run
+    victim = engine._by_request["0"].seq_id
+
+    def poisoned(chunks, **kwargs):  # the row of request "0" turns to NaN
+        logits = run(chunks, **kwargs)
+        sampled = [c.seq_id for c in chunks if c.needs_logits]
+        if victim in sampled:
+            logits[sampled.index(victim)] = torch.nan
+        return logits
+
+    engine.runner.run = poisoned
+    detok = engine._detok[engine._by_request["1"].seq_id]
+    detok.add = lambda token: (_ for _ in ()).throw(UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected"))
+    results = run_to_completion(engine)
+    assert results["0"][-1].finish_reason == "error" and "non-finite" in results["0"][-1].error
+    assert results["1"][-1].finish_reason == "error" and "detokenization failed" in results["1"][-1].error
+    assert results["2"][-1].finish_reason == "length" and len(tokens_of(results["2"])) == 6
+    assert engine.store.used_bytes == 0
