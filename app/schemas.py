@@ -45,6 +45,7 @@ class GenerateRequest(_Strict):
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: list[str] = Field(default_factory=list, max_length=16)
     stream: bool = False
+    ignore_eos: bool = Field(False, description="keep generating past EOS up to max_tokens (benchmarks)")
     timeout: float | None = Field(
         None, gt=0.0, le=86400.0, description="seconds; past it the request ends with finish_reason timeout"
     )

@@ -112,6 +112,7 @@ class GenerateService:
             top_k=req.top_k,
             seed=req.seed,
             stop=tuple(req.stop),
+            ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             deadline=_deadline(arrival, req.timeout or self.settings.request_timeout),
         )

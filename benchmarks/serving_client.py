@@ -1,0 +1,331 @@
+"""Serving benchmark over HTTP, in the manner of vLLM's `bench serve`.
+
+Drives a real server (started here, or `--url`) with streaming `/generate` requests at a request
+rate (Poisson arrivals) or a fixed maximum concurrency, and measures per request the time to first
+token (TTFT), time per output token (TPOT), inter-token latency (ITL) and end-to-end latency (mean,
+median, p99), request and token throughput, goodput under an SLO, and errors; meanwhile it polls
+`/metrics` for the KV memory and the requests running and waiting.
+
+The headline experiment (`--headline`, `make bench-serving`): a KV budget that holds about 8
+uncompressed requests of 1.5k-token prompts, then 32 concurrent such requests with compression off
+and with `dynamic` at 0.6, both measured in one run; a few greedy answers are compared across the
+two. Results: benchmarks/results/serving_http.{json,md,png}.
+
+    python benchmarks/serving_client.py --headline
+    python benchmarks/serving_client.py --url http://127.0.0.1:8080 --num-prompts 64 --request-rate 2
+    python benchmarks/serving_client.py --headline --quick      # a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import save_report  # noqa: E402
+from load_tests.run import start_server  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    text: str = ""
+    error: str = ""
+
+    @property
+    def tpot(self) -> float:
+        return (self.latency - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
+    started = time.perf_counter()
+    last = started
+    result = RequestResult(ok=False)
+    try:
+        async with client.stream("POST", f"{url}/generate", json={**body, "stream": True}) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                event = json.loads(line[5:])
+                now = time.perf_counter()
+                if event.get("text"):
+                    if not result.text:
+                        result.ttft = now - started
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    result.text += event["text"]
+                if event.get("finish_reason"):
+                    result.ok = event["finish_reason"] in ("stop", "length")
+                    result.error = event.get("error", "")
+                    result.output_tokens = event["usage"]["completion_tokens"]
+        result.latency = time.perf_counter() - started
+    except httpx.HTTPError as exc:
+        result.error = repr(exc)
+    return result
+
+
+async def poll_metrics(client: httpx.AsyncClient, url: str, samples: list[dict], stop: asyncio.Event) -> None:
+    started = time.perf_counter()
+    wanted = {
+        "kv_cache_memory_bytes": "kv_bytes",
+        'kv_cache_bytes{pool="running"}': "kv_running_bytes",
+        "requests_running": "running",
+        "requests_waiting": "waiting",
+    }
+    while not stop.is_set():
+        try:
+            text = (await client.get(f"{url}/metrics")).text
+            sample = {"t": time.perf_counter() - started}
+            for line in text.splitlines():
+                name, _, value = line.rpartition(" ")
+                if name in wanted:
+                    sample[wanted[name]] = float(value)
+            samples.append(sample)
+        except httpx.HTTPError:
+            pass
+        await asyncio.sleep(0.5)
+
+
+async def run_load(url: str, bodies: list[dict], rate: float, concurrency: int | None, seed: int) -> dict:
+    """Send `bodies` (Poisson arrivals at `rate`/s, inf: all at once) with at most `concurrency` in flight."""
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(concurrency or len(bodies))
+    samples: list[dict] = []
+    stop = asyncio.Event()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0)) as client:
+        poller = asyncio.create_task(poll_metrics(client, url, samples, stop))
+
+        async def limited(body: dict) -> RequestResult:
+            async with limit:
+                return await one_request(client, url, body)
+
+        started = time.perf_counter()
+        tasks = []
+        for body in bodies:
+            tasks.append(asyncio.create_task(limited(body)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - started
+        stop.set()
+        await poller
+    return {"results": results, "wall": wall, "samples": samples}
+
+
+def summarise(run: dict, slo_ttft: float, slo_tpot: float) -> dict:
+    results: list[RequestResult] = run["results"]
+    good = [r for r in results if r.ok]
+
+    def stats(values: list[float]) -> dict:
+        if not values:
+            return {"mean": 0.0, "median": 0.0, "p99": 0.0}
+        ordered = sorted(values)
+        return {
+            "mean": statistics.mean(ordered),
+            "median": statistics.median(ordered),
+            "p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+        }
+
+    meets = [r for r in good if r.ttft <= slo_ttft and r.tpot <= slo_tpot]
+    samples = run["samples"]
+    return {
+        "requests": len(results),
+        "errors": len(results) - len(good),
+        "wall_s": run["wall"],
+        "request_throughput": len(good) / run["wall"],
+        "output_token_throughput": sum(r.output_tokens for r in good) / run["wall"],
+        "goodput": len(meets) / run["wall"],
+        "ttft_s": stats([r.ttft for r in good]),
+        "tpot_s": stats([r.tpot for r in good]),
+        "itl_s": stats([x for r in good for x in r.itl]),
+        "latency_s": stats([r.latency for r in good]),
+        "peak_running": max((s.get("running", 0) for s in samples), default=0),
+        "mean_running": statistics.mean([s.get("running", 0) for s in samples]) if samples else 0.0,
+        "peak_kv_bytes": max((s.get("kv_bytes", 0) for s in samples), default=0),
+        "first_error": next((r.error for r in results if not r.ok), ""),
+    }
+
+
+def prompt_bodies(num: int, prompt_tokens: int, max_tokens: int, compression: dict | None) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    from benchmarks.corpus import text_of_tokens
+    from models.default_model import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    bodies = []
+    for i in range(num):
+        body = {
+            "prompt_token_ids": text_of_tokens(tokenizer, prompt_tokens, offset=37 * i),
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        if compression is not None:
+            body["compression"] = compression
+        bodies.append(body)
+    return bodies
+
+
+def headline(args) -> None:
+    from transformers import AutoConfig
+
+    from models.default_model import default_model_path
+
+    config = AutoConfig.from_pretrained(default_model_path())
+    head_dim = config.hidden_size // config.num_attention_heads
+    token_bytes = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4  # fp32 on CPU
+    budget_mb = args.fit * (args.prompt_tokens + args.max_tokens + 32) * token_bytes / 1e6
+    modes = {"compression off": {"enabled": False}, "dynamic 0.6": {"policy": "dynamic", "compression_rate": 0.6}}
+    summaries, runs = {}, {}
+    for name, compression in modes.items():
+        server, url = start_server(
+            [
+                f"--max-cache-size={budget_mb:.0f}MB",
+                f"--max-num-seqs={args.num_prompts}",
+                f"--torch-threads={args.threads}",
+                "--enable-prefix-cache=false",
+                "--log-level=warning",
+            ]
+        )
+        try:
+            bodies = prompt_bodies(args.num_prompts, args.prompt_tokens, args.max_tokens, compression)
+            runs[name] = asyncio.run(run_load(url, bodies, float("inf"), args.num_prompts, args.seed))
+        finally:
+            server.terminate()
+            server.wait(60)
+        summaries[name] = summarise(runs[name], args.slo_ttft, args.slo_tpot)
+    off, on = (runs[m]["results"] for m in modes)
+    agreement = [a.text == b.text for a, b in zip(off[:4], on[:4], strict=True)]
+    setup = (
+        f"{args.num_prompts} concurrent requests of {args.prompt_tokens}-token prompts, {args.max_tokens} greedy "
+        f"tokens each (EOS ignored), streamed over HTTP; max_cache_size {budget_mb:.0f} MB (about {args.fit} "
+        f"uncompressed requests); both modes in one run"
+    )
+    report(summaries, runs, args, setup, agreement)
+
+
+def report(summaries: dict, runs: dict, args, setup: str, agreement: list[bool]) -> None:
+    lines = [
+        f"{setup}; default model, fp32, {args.threads} CPU threads. SLO for goodput: TTFT <= {args.slo_ttft:.0f} s "
+        f"and TPOT <= {args.slo_tpot:.2f} s.",
+        "",
+        "| mode | errors | peak running | mean running | req/s | output tok/s | goodput req/s | "
+        "TTFT median / p99 s | TPOT median / p99 s | ITL median / p99 s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, s in summaries.items():
+        lines.append(
+            f"| {name} | {s['errors']} | {s['peak_running']:.0f} | {s['mean_running']:.1f} | "
+            f"{s['request_throughput']:.3f} | {s['output_token_throughput']:.1f} | {s['goodput']:.3f} | "
+            f"{s['ttft_s']['median']:.1f} / {s['ttft_s']['p99']:.1f} | "
+            f"{s['tpot_s']['median']:.3f} / {s['tpot_s']['p99']:.3f} | "
+            f"{s['itl_s']['median']:.3f} / {s['itl_s']['p99']:.3f} |"
+        )
+    names = list(summaries)
+    if len(names) == 2:
+        a, b = (summaries[n] for n in names)
+        lines += [
+            "",
+            f"{names[1]} against {names[0]}: {b['peak_running'] / max(a['peak_running'], 1):.2f}x the peak running "
+            f"requests, {b['mean_running'] / max(a['mean_running'], 1e-9):.2f}x the mean, "
+            f"{b['output_token_throughput'] / max(a['output_token_throughput'], 1e-9):.2f}x the token throughput, "
+            f"p99 TTFT {b['ttft_s']['p99']:.1f} s against {a['ttft_s']['p99']:.1f} s. Greedy answers of the first "
+            f"{len(agreement)} requests identical in both modes: {sum(agreement)}.",
+        ]
+    data = {"setup": setup, "summaries": summaries, "agreement": agreement}
+    data["timelines"] = {name: run["samples"] for name, run in runs.items()}
+    save_report(args.out, "Serving benchmark over HTTP", "\n".join(lines), data, args)
+    plot(runs, args.out.with_suffix(".png"))
+
+
+def plot(runs: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for name, run in runs.items():
+        t = [s["t"] for s in run["samples"]]
+        axes[0].plot(t, [s.get("kv_bytes", 0) / 2**20 for s in run["samples"]], label=name)
+        axes[1].plot(t, [s.get("running", 0) for s in run["samples"]], label=name)
+        ttft = sorted(r.ttft for r in run["results"] if r.ok)
+        axes[2].plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=name)
+    for ax, title, xlabel in (
+        (axes[0], "KV memory held (MiB)", "seconds"),
+        (axes[1], "requests running", "seconds"),
+        (axes[2], "TTFT CDF", "time to first token (s)"),
+    ):
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", help="a running server; default: start one")
+    parser.add_argument("--headline", action="store_true", help="the fixed-budget experiment, off against on")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=1536)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson; inf: at once")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--compression", type=json.loads, default=None, help="e.g. '{\"compression_rate\": 0.75}'")
+    parser.add_argument("--fit", type=int, default=8, help="headline: uncompressed requests the budget holds")
+    parser.add_argument("--slo-ttft", type=float, default=60.0)
+    parser.add_argument("--slo-tpot", type=float, default=0.5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="8 requests of 512 tokens, 32 new, room for 2")
+    parser.add_argument("--out", type=Path, default=RESULTS / "serving_http")
+    args = parser.parse_args()
+    if args.quick:
+        args.num_prompts, args.prompt_tokens, args.max_tokens, args.fit = 8, 512, 32, 2
+    if args.headline:
+        headline(args)
+        return
+    server = None
+    url = args.url
+    if url is None:
+        server, url = start_server([f"--torch-threads={args.threads}", "--log-level=warning"])
+    try:
+        bodies = prompt_bodies(args.num_prompts, args.prompt_tokens, args.max_tokens, args.compression)
+        run = asyncio.run(run_load(url, bodies, args.request_rate, args.max_concurrency, args.seed))
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(60)
+    rate = "all at once" if args.request_rate == float("inf") else f"Poisson at {args.request_rate}/s"
+    setup = (
+        f"{args.num_prompts} requests of {args.prompt_tokens}-token prompts, {args.max_tokens} greedy tokens each "
+        f"(EOS ignored), {rate}, at most {args.max_concurrency or args.num_prompts} in flight, streamed over HTTP"
+    )
+    report({"server": summarise(run, args.slo_ttft, args.slo_tpot)}, {"server": run}, args, setup, [])
+
+
+if __name__ == "__main__":
+    main()
