@@ -33,7 +33,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import save_report  # noqa: E402
-from load_tests.run import start_server  # noqa: E402
+from load_tests.run import served  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -199,21 +199,16 @@ def headline(args) -> None:
     modes = {"compression off": {"enabled": False}, "dynamic 0.6": {"policy": "dynamic", "compression_rate": 0.6}}
     summaries, runs = {}, {}
     for name, compression in modes.items():
-        server, url = start_server(
-            [
-                f"--max-cache-size={budget_mb:.0f}MB",
-                f"--max-num-seqs={args.num_prompts}",
-                f"--torch-threads={args.threads}",
-                "--enable-prefix-cache=false",
-                "--log-level=warning",
-            ]
-        )
-        try:
-            bodies = prompt_bodies(args.num_prompts, args.prompt_tokens, args.max_tokens, compression)
+        flags = [
+            f"--max-cache-size={budget_mb:.0f}MB",
+            f"--max-num-seqs={args.num_prompts}",
+            f"--torch-threads={args.threads}",
+            "--enable-prefix-cache=false",
+            "--log-level=warning",
+        ]
+        bodies = prompt_bodies(args.num_prompts, args.prompt_tokens, args.max_tokens, compression)
+        with served(None, flags) as (url, _):
             runs[name] = asyncio.run(run_load(url, bodies, float("inf"), args.num_prompts, args.seed))
-        finally:
-            server.terminate()
-            server.wait(60)
         summaries[name] = summarise(runs[name], args.slo_ttft, args.slo_tpot)
     off, on = (runs[m]["results"] for m in modes)
     agreement = [a.text == b.text for a, b in zip(off[:4], on[:4], strict=True)]
@@ -308,17 +303,9 @@ def main() -> None:
     if args.headline:
         headline(args)
         return
-    server = None
-    url = args.url
-    if url is None:
-        server, url = start_server([f"--torch-threads={args.threads}", "--log-level=warning"])
-    try:
-        bodies = prompt_bodies(args.num_prompts, args.prompt_tokens, args.max_tokens, args.compression)
+    bodies = prompt_bodies(args.num_prompts, args.prompt_tokens, args.max_tokens, args.compression)
+    with served(args.url, [f"--torch-threads={args.threads}", "--log-level=warning"]) as (url, _):
         run = asyncio.run(run_load(url, bodies, args.request_rate, args.max_concurrency, args.seed))
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait(60)
     rate = "all at once" if args.request_rate == float("inf") else f"Poisson at {args.request_rate}/s"
     setup = (
         f"{args.num_prompts} requests of {args.prompt_tokens}-token prompts, {args.max_tokens} greedy tokens each "

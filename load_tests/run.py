@@ -12,11 +12,27 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextmanager
+def served(url: str | None, extra: list[str]) -> Iterator[tuple[str, int | None]]:
+    """`url` as it is, or a server started here with `extra` flags (stopped afterwards): (url, its pid)."""
+    if url is not None:
+        yield url, None
+        return
+    proc, url = start_server(extra)
+    try:
+        yield url, proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
@@ -76,16 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "load_tests" / "results" / "load")
     parser.add_argument("--server-arg", action="append", default=[], help="extra serve.py flag (repeatable)")
     args = parser.parse_args(argv)
-    server = None
-    host = args.host
-    if host is None:
-        server, host = start_server(args.server_arg)
-    try:
+    with served(args.host, args.server_arg) as (host, _):
         code = run_locust(host, args.users, args.spawn_rate, args.duration, args.out)
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait(60)
     print(f"locust report: {args.out.with_suffix('.html')} and {args.out}_stats.csv")
     return code
 

@@ -21,7 +21,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import save_report  # noqa: E402
-from load_tests.run import ROOT, run_locust, start_server  # noqa: E402
+from load_tests.run import ROOT, run_locust, served  # noqa: E402
 
 RESULTS = ROOT / "load_tests" / "results"
 
@@ -57,20 +57,18 @@ def main() -> int:
     parser.add_argument("--server-arg", action="append", default=[])
     args = parser.parse_args()
 
-    server, url = start_server(args.server_arg)
     samples: list[dict] = []
     stop = threading.Event()
-    watcher = threading.Thread(target=sample, args=(url, server.pid, samples, stop, 10.0), daemon=True)
-    watcher.start()
-    try:
-        code = run_locust(url, args.users, 2.0, args.duration, args.out.with_name("soak_locust"))
-        time.sleep(5)  # the last requests finish
-        end = kv_pools(url)
-    finally:
-        stop.set()
-        watcher.join(15)
-        server.terminate()
-        server.wait(60)
+    with served(None, args.server_arg) as (url, pid):
+        watcher = threading.Thread(target=sample, args=(url, pid, samples, stop, 10.0), daemon=True)
+        watcher.start()
+        try:
+            code = run_locust(url, args.users, 2.0, args.duration, args.out.with_name("soak_locust"))
+            time.sleep(5)  # the last requests finish
+            end = kv_pools(url)
+        finally:
+            stop.set()
+            watcher.join(15)
 
     warm = [s for s in samples if s["t"] >= args.warmup_share * seconds(args.duration)] or samples
     growth = (warm[-1]["rss"] - warm[0]["rss"]) / warm[0]["rss"]
