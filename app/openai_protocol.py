@@ -41,6 +41,8 @@ class _SamplingRequest(_Strict):
     logit_bias: dict[str, float] | None = Field(None, description="not supported")
     compression: CompressionOptions | None = None
     compression_stats: bool = False
+    ignore_eos: bool = False  # extension, as vLLM's: generate up to max_tokens
+    timeout: float | None = Field(None, gt=0.0, le=86400.0, description="extension: seconds until finish timeout")
 
     @field_validator("stop")
     @classmethod

@@ -130,6 +130,8 @@ class OpenAIService:
             stop=req.stop_list,
             compression=req.compression,
             compression_stats=req.compression_stats,
+            ignore_eos=req.ignore_eos,
+            timeout=req.timeout,
         )
         return self.service.prepare(generate, logprobs=logprobs, id_prefix=prefix)
 
