@@ -81,7 +81,9 @@ class Scheduler:
                 out.rejected.append(seq)
                 continue
             hit = self.prefix_cache.lookup(seq.token_ids, seq.prefix_fingerprint) if self.prefix_cache else None
-            if not self._make_room(need, keep=hit.entry_id if hit else None):
+            if hit is not None and not self._make_room(need, keep=hit.entry_id):
+                hit = None  # the copy does not fit beside its source: let the source go too, prefill it all
+            if not self._make_room(need):
                 break
             if hit is not None:
                 self._reuse(seq, hit)

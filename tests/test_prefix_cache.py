@@ -141,3 +141,15 @@ def test_warm_up_prefills_shared_prompts_for_later_requests(model, tokenizer):
     assert out[-1].cached_prompt_tokens == 80
     with pytest.raises(ValueError, match="prefix cache"):
         make_engine(model, tokenizer).warm_up([system], engine.default_compression())
+
+
+def test_a_hit_too_big_to_copy_beside_its_source_is_prefilled_instead(model, tokenizer):
+    """Room for one request only: the cached prefix cannot be copied, so it makes way (no deadlock)."""
+    prompt = ids(tokenizer, 200, seed=50)
+    budget = make_engine(model, tokenizer).store.bytes_for(230)
+    engine = make_engine(model, tokenizer, max_cache_bytes=budget, prefix_cache=True)
+    run(engine, "first", prompt, max_tokens=4)
+    assert len(engine.prefix_cache) == 1
+    again = run(engine, "again", prompt, max_tokens=4)
+    assert again[-1].finish_reason == "length" and again[-1].cached_prompt_tokens == 0
+    assert engine.store.used_bytes <= budget
