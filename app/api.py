@@ -10,6 +10,7 @@ from typing import Annotated
 
 import torch
 from fastapi import Depends, FastAPI, Request
+from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
@@ -19,7 +20,7 @@ from sse_starlette.sse import EventSourceResponse
 from app.async_engine import AsyncEngine, EngineDeadError
 from app.engine import EngineConfig, LLMEngine
 from app.metrics import Metrics
-from app.middleware import OPENAI_PREFIX, APIKeyMiddleware, BodySizeLimitMiddleware, error_body
+from app.middleware import OPENAI_PREFIX, APIKeyMiddleware, BodySizeLimitMiddleware, JSONBodyMiddleware, error_body
 from app.openai_api import router as openai_router
 from app.openai_serving import OpenAIService
 from app.schemas import ErrorResponse, GenerateRequest, GenerateResponse
@@ -118,6 +119,8 @@ def create_app(settings: Settings) -> FastAPI:
         open_paths = {"/health"} | ({"/metrics"} if settings.public_metrics else set())
         app.add_middleware(APIKeyMiddleware, keys=keys, open_paths=open_paths)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(JSONBodyMiddleware)
+    _document_served_model(app, settings.model_name())
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -173,6 +176,20 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
+def _document_served_model(app: FastAPI, name: str) -> None:
+    """The OpenAPI schema names the one model the OpenAI routes accept."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()  # FastAPI keeps it as app.openapi_schema
+            for request in ("CompletionRequest", "ChatCompletionRequest"):
+                schema["components"]["schemas"][request]["properties"]["model"]["enum"] = [name]
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def _service(request: Request) -> GenerateService:
     return request.app.state.service
 
@@ -195,6 +212,6 @@ def _error(
     return JSONResponse(status_code=status, content=body, headers=headers)
 
 
-def _jsonable(errors: list[dict]) -> list[dict]:
-    # pydantic puts the raised exception object into ctx; keep only its text.
-    return [{**e, "ctx": {k: str(v) for k, v in e.get("ctx", {}).items()}} if "ctx" in e else e for e in errors]
+def _jsonable(errors: list[dict]) -> list:
+    # pydantic puts the raised exception object into ctx and raw bytes into input; make both text.
+    return jsonable_encoder(errors, custom_encoder={BaseException: str, bytes: lambda b: b.decode(errors="replace")})

@@ -99,3 +99,18 @@ class BodySizeLimitMiddleware:
             return {"type": "http.request", "body": body, "more_body": False}
 
         return await self.app(scope, replay, send)
+
+
+class JSONBodyMiddleware:
+    """Request bodies are JSON: another declared Content-Type gets 415 (no Content-Type is read as JSON)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] in ("POST", "PUT", "PATCH"):
+            declared = dict(scope["headers"]).get(b"content-type", b"").split(b";")[0].strip().lower()
+            if declared and declared != b"application/json" and not declared.endswith(b"+json"):
+                message = f"the body must be JSON: send Content-Type: application/json, not {declared.decode()!r}"
+                return await _respond(send, scope["path"], 415, "unsupported_media_type", message)
+        return await self.app(scope, receive, send)

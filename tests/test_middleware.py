@@ -8,7 +8,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from app.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from app.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, JSONBodyMiddleware
 
 
 async def echo(request: Request) -> JSONResponse:
@@ -18,7 +18,7 @@ async def echo(request: Request) -> JSONResponse:
 def client(**limits) -> TestClient:
     routes = [Route(path, echo, methods=["GET", "POST"]) for path in ("/generate", "/health", "/metrics", "/v1/models")]
     app = APIKeyMiddleware(Starlette(routes=routes), keys=["k1", "k2"], open_paths={"/health"})
-    return TestClient(BodySizeLimitMiddleware(app, max_bytes=limits.get("max_bytes", 100)))
+    return TestClient(JSONBodyMiddleware(BodySizeLimitMiddleware(app, max_bytes=limits.get("max_bytes", 100))))
 
 
 def test_every_route_but_health_needs_a_valid_key():
@@ -48,3 +48,15 @@ def test_bodies_over_the_limit_get_413_with_or_without_a_length():
 
     assert c.post("/generate", content=chunks(3), headers=auth).json() == {"size": 90}
     assert c.post("/generate", content=chunks(4), headers=auth).status_code == 413
+
+
+def test_bodies_that_are_not_json_get_415():
+    c = client()
+    auth = {"Authorization": "Bearer k1"}
+    r = c.post("/generate", content=b"hi", headers={**auth, "Content-Type": "text/plain"})
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+    openai = c.post("/v1/models", content=b"{}", headers={**auth, "Content-Type": "text/xml"})
+    assert openai.json()["error"]["code"] == "unsupported_media_type"
+    for declared in ("application/json", "application/json; charset=utf-8", "application/merge-patch+json"):
+        assert c.post("/generate", content=b"{}", headers={**auth, "Content-Type": declared}).status_code == 200
+    assert c.get("/generate", headers={**auth, "Content-Type": "text/plain"}).status_code == 200  # no body to judge
