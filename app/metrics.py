@@ -180,6 +180,12 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "kv_prefix_cache_hits", "Prompts that reused a prefix-cache entry", cache.hits if cache else 0
         )
+        evicted = CounterMetricFamily(
+            "kv_prefix_cache_evictions", "Prefix-cache entries evicted, by reason", labels=["reason"]
+        )
+        for reason in ("memory", "superseded", "cleared"):
+            evicted.add_metric([reason], cache.evictions[reason] if cache else 0)
+        yield evicted
         yield GaugeMetricFamily(
             "kv_prefix_cache_warmup_tokens",
             "Prompt tokens prefilled into the prefix cache at start-up",

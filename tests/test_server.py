@@ -305,6 +305,7 @@ def test_chat_turn_two_reuses_turn_one_from_the_prefix_cache(server):
         second["usage"]["cached_prompt_tokens"] / second["usage"]["prompt_tokens"]
     )
     assert server.metric("kv_prefix_cache_hits_total") == hits + 1
+    assert server.metric("kv_prefix_cache_evictions_total", '{reason="superseded"}') >= 1  # turn 2 replaced turn 1
     # The same tokens without the cache give the same greedy answer.
     again = post(server, {"messages": turn2, "max_tokens": 8, "temperature": 0, "compression": {"enabled": False}})
     assert again.json()["text"] == second["text"]
