@@ -142,3 +142,7 @@ def plot(rows: list[tuple], path: Path) -> None:
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
