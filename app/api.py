@@ -16,6 +16,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.async_engine import AsyncEngine, EngineDeadError
 from app.engine import EngineConfig, LLMEngine
@@ -125,6 +126,12 @@ def create_app(settings: Settings) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return _error(request, exc.status, exc.type, exc.message, exc.headers, exc.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own refusals (unreadable body, unknown route, wrong method) in our error shape.
+        kinds = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}
+        return _error(request, exc.status_code, kinds.get(exc.status_code, "http_error"), str(exc.detail), exc.headers)
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:

@@ -37,3 +37,16 @@ def test_an_engine_loop_crash_is_reported_by_health_ready_and_requests(tiny_mode
         assert client.get("/ready").status_code == 503
         assert client.post("/generate", json=body).status_code == 503  # and it stays down, clearly
     assert "engine loop crashed" in caplog.text
+
+
+def test_malformed_and_non_utf8_bodies_get_4xx_in_our_error_shape(tiny_model_dir):
+    settings = Settings(model_path=tiny_model_dir, max_cache_size="64", torch_threads=1)
+    with TestClient(create_app(settings)) as client:
+        json_type = {"Content-Type": "application/json"}
+        for body in (b'{"prompt": "\xff\xfe"}', b'{"prompt": "unterminated', b"\x00\x01\x02"):
+            r = client.post("/generate", content=body, headers=json_type)
+            assert r.status_code in (400, 422), (body, r.text)
+            assert r.json()["error"]["type"] == "invalid_request" and r.json()["error"]["message"]
+        assert client.get("/nowhere").json()["error"]["type"] == "not_found"
+        r = client.post("/v1/completions", content=b'{"model": "x", "prompt": "\xff"}', headers=json_type)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
