@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Annotated
 
 import torch
@@ -28,6 +29,7 @@ from app.schemas import ErrorResponse, GenerateRequest, GenerateResponse
 from app.serving import APIError, GenerateService
 from app.settings import Settings
 from compression.config import resolve
+from compression.predictor.online import PREDICTOR_DIR, load_future_value
 from models.loader import load_model
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,13 @@ def build_engine(settings: Settings) -> LLMEngine:
         compression.compression_rate,
         compression.kv_cache_dtype,
     )
-    engine = LLMEngine(model, tokenizer, config, compression)
+    future_value = None
+    if settings.value_predictor != "off":
+        path = Path(settings.value_predictor)
+        if settings.value_predictor == "auto":
+            path = PREDICTOR_DIR / f"{settings.model_folder_name()}.safetensors"
+        future_value = load_future_value(path, model.config, device, compression.score_interval)
+    engine = LLMEngine(model, tokenizer, config, compression, future_value)
     if settings.prefix_cache_warmup:
         warm_up(engine, settings)
     return engine

@@ -21,6 +21,7 @@ from app.sequence import FinishReason, SamplingParams, Sequence
 from compression.config import CompressionConfig, CompressionParams, resolve
 from compression.engine import CompressionEngine, CompressionMetrics
 from compression.kv_store import KVStore
+from compression.predictor.online import FutureValue
 from compression.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class LLMEngine:
         tokenizer: PreTrainedTokenizerBase,
         config: EngineConfig,
         compression: CompressionConfig | None = None,
+        future_value: FutureValue | None = None,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -86,9 +88,13 @@ class LLMEngine:
             dtype=model.dtype,
             device=next(model.parameters()).device,
             key_only_bits=self.compression_config.key_only_value_bits,
+            history_steps=future_value.history_steps if future_value else 0,
         )
         self.compression = CompressionEngine(
-            self.store, self.compression_config.pressure_rate_ceiling, self.compression_config.pressure_rate_step
+            self.store,
+            self.compression_config.pressure_rate_ceiling,
+            self.compression_config.pressure_rate_step,
+            future_value,
         )
         self.runner = ModelRunner(model, self.store)
         self.prefix_cache = PrefixCache(self.store, config.lru_k) if config.prefix_cache else None

@@ -30,6 +30,9 @@ class CompressionOptions(_Strict):
     kv_cache_dtype: StorageDtype | None = Field(
         None, description="storage precision of FULL entries (auto: the model's dtype); int8 keeps ~26% of fp32"
     )
+    value_predictor: bool | None = Field(
+        None, description="dynamic policy: rank entries by the value predictor's forecast (default true when loaded)"
+    )
 
 
 class GenerateRequest(_Strict):

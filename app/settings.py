@@ -39,6 +39,11 @@ class Settings(BaseSettings):
     compression_config: Path | None = Field(
         None, description="compression policy file (JSON); default: the shipped config/compression.json"
     )
+    value_predictor: str = Field(
+        "auto",
+        description="future-value predictor weights (safetensors) for the dynamic policy; auto: "
+        "models/predictor/<model folder name>.safetensors if present; off: observed attention only",
+    )
     max_cache_size: str | None = Field(
         None,
         description="KV cache budget: MB (4096), with a unit (2GiB) or a share of device memory (80%); "
@@ -115,8 +120,11 @@ class Settings(BaseSettings):
             return getattr(torch, self.dtype)
         return model_dtype if self.resolved_device().type == "cuda" else torch.float32
 
+    def model_folder_name(self) -> str:
+        return self.model_path.name if self.model_path else DEFAULT_MODEL_NAME
+
     def model_name(self) -> str:
-        return self.served_model_name or (self.model_path.name if self.model_path else DEFAULT_MODEL_NAME)
+        return self.served_model_name or self.model_folder_name()
 
     def compression(self) -> CompressionConfig:
         return CompressionConfig.load(self.compression_config or DEFAULT_COMPRESSION_FILE)

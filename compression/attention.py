@@ -28,8 +28,8 @@ ATTENTION_NAME = "conf_kv_packed"
 class AttentionObserver(Protocol):
     """Receives what attention saw, for the sequences that asked (see PackedBatch.observe/audit)."""
 
-    def on_attention(self, seq_id: int, layer: int, mass: torch.Tensor) -> None:
-        """mass [held]: attention each held entry received, summed over observed queries, mean over heads."""
+    def on_attention(self, seq_id: int, layer: int, rows: torch.Tensor) -> None:
+        """rows [observed queries, held]: attention each held entry received from each query, mean over heads."""
 
     def audit_keys(self, seq_id: int, layer: int) -> torch.Tensor | None:
         """Keys [kv_heads, n, head_dim] this sequence dropped in this layer, or None."""
@@ -135,7 +135,7 @@ def _tiered_attention(
     if observer is not None:
         if seg.observe:
             rows = probs.view(kv_heads, group, t, -1)[:, :, -seg.observe :]
-            observer.on_attention(seg.seq_id, layer, rows.sum(dim=2).mean(dim=(0, 1)))
+            observer.on_attention(seg.seq_id, layer, rows.mean(dim=(0, 1)))
         if seg.audit:
             dropped = observer.audit_keys(seg.seq_id, layer)
             if dropped is not None and dropped.shape[1]:

@@ -94,6 +94,7 @@ class CompressionParams:
     attention_decay: float
     confident_extra_rate: float
     kv_cache_dtype: str = "auto"  # storage precision of FULL entries
+    value_predictor: bool = True  # dynamic: score by the predictor's future attention, when one is loaded
     stats: bool = False  # the client asked for compression_metrics: keep an audit of dropped keys
     seed: int = 0
 
@@ -133,6 +134,7 @@ def resolve(config: CompressionConfig, request: dict | None, server_enabled: boo
         attention_decay=config.attention_decay,
         confident_extra_rate=config.confident_extra_rate,
         kv_cache_dtype=storage if enabled else "auto",
+        value_predictor=request.get("value_predictor") is not False,
         stats=stats,
         seed=config.seed,
     )

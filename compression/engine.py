@@ -20,6 +20,7 @@ import torch
 from compression.config import CompressionParams
 from compression.kv_store import GROWTH_CHUNK, KVStore
 from compression.policy import plan_tiers
+from compression.predictor.online import FutureValue, PredictionJob
 from compression.scoring import LayerEntries, ScorePolicy, make_policy
 
 
@@ -68,8 +69,15 @@ class SequenceState:
 
 
 class CompressionEngine:
-    def __init__(self, store: KVStore, pressure_ceiling: float = 0.9, pressure_step: float = 0.05) -> None:
+    def __init__(
+        self,
+        store: KVStore,
+        pressure_ceiling: float = 0.9,
+        pressure_step: float = 0.05,
+        future_value: FutureValue | None = None,
+    ) -> None:
         self.store = store
+        self.future_value = future_value  # the value predictor, when one is loaded
         self.pressure_ceiling = pressure_ceiling
         self.pressure_step = pressure_step
         self.squeezes = 0  # compressions forced by memory pressure
@@ -154,10 +162,17 @@ class CompressionEngine:
                 chunk.observe = 1
             chunk.audit = decode and state.params.stats
 
-    def on_attention(self, seq_id: int, layer: int, mass: torch.Tensor) -> None:
+    def on_attention(self, seq_id: int, layer: int, rows: torch.Tensor) -> None:
         kv = self.store.layer(seq_id, layer)
-        held = kv.attention[: kv.length]
-        held.copy_(self.states[seq_id].policy.accumulate(held, mass))
+        state = self.states[seq_id]
+        n = kv.length
+        held = kv.attention[:n]
+        held.copy_(state.policy.accumulate(held, rows.sum(dim=0)))
+        if kv.observed is not None:
+            # The predictor's timeline: queries score_interval apart (a decode step brings one).
+            picked = rows.flip(0)[:: state.params.score_interval][: kv.observed.shape[0]].flip(0)
+            recent = kv.observed[:, :n]
+            recent.copy_(torch.cat((recent[picked.shape[0] :], picked.to(recent.dtype))))
 
     def audit_keys(self, seq_id: int, layer: int) -> torch.Tensor | None:
         return self.states[seq_id].audit.get(layer)
@@ -169,7 +184,8 @@ class CompressionEngine:
 
     def after_step(self, sequences: list[TrackedSequence], sampled_confidence: dict[int, float]) -> float:
         """Compress every due sequence; return the seconds spent."""
-        spent = 0.0
+        started = time.perf_counter()
+        ready: list[tuple[TrackedSequence, SequenceState]] = []
         for seq in sequences:
             state = self.states.get(seq.seq_id)
             if state is None or not state.params.active or seq.seq_id not in self.store:
@@ -186,14 +202,18 @@ class CompressionEngine:
                 state.steps_since_compression += 1
                 due = state.steps_since_compression >= state.params.compression_interval
             if due:
-                started = time.perf_counter()
-                with self._on_side_stream():
-                    self.compress(seq.seq_id, seq.num_computed, state)
+                ready.append((seq, state))
+        if not ready:
+            return 0.0
+        with self._on_side_stream():
+            predicted = self._predict([(seq, state) for seq, state in ready if self._uses_predictor(state)])
+            shared = (time.perf_counter() - started) / len(ready)  # the batched prediction, shared out
+            for seq, state in ready:
+                began = time.perf_counter()
+                self.compress(seq.seq_id, seq.num_computed, state, predicted.get(seq.seq_id))
                 state.steps_since_compression = 0
-                elapsed = time.perf_counter() - started
-                state.seconds += elapsed
-                spent += elapsed
-        return spent
+                state.seconds += shared + time.perf_counter() - began
+        return time.perf_counter() - started
 
     def relieve(self, sequences: list[TrackedSequence]) -> bool:
         """Memory pressure: compress these sequences harder, a step at a time up to the ceiling.
@@ -233,12 +253,32 @@ class CompressionEngine:
         confident = min(1.0, max(0.0, (sum(recent) / len(recent) - 0.5) / 0.5))
         return rate + params.confident_extra_rate * (1.0 - rate) * confident
 
-    def compress(self, seq_id: int, num_tokens: int, state: SequenceState) -> None:
+    def _uses_predictor(self, state: SequenceState) -> bool:
+        return self.future_value is not None and state.params.value_predictor and state.policy.name == "dynamic"
+
+    def _predict(self, due: list[tuple[TrackedSequence, SequenceState]]) -> dict[int, list[torch.Tensor]]:
+        """Predicted future attention of every entry of these sequences, in one batch."""
+        if not due:
+            return {}
+        jobs = [
+            PredictionJob(seq.seq_id, seq.num_computed, self._token_confidence(state, seq.num_computed))
+            for seq, state in due
+        ]
+        return self.future_value.predict(self.store, jobs)
+
+    def compress(
+        self, seq_id: int, num_tokens: int, state: SequenceState, predicted: list[torch.Tensor] | None = None
+    ) -> None:
+        """Re-tier one sequence; `predicted` (per layer) is the predictor's output, when already computed."""
         params = state.params
         store = self.store
         rate = self.target_rate(state)
         if rate <= 0.0:
             return  # nothing to remove: attention is still observed (traces, scores for later)
+        if predicted is None and self._uses_predictor(state):
+            predicted = self.future_value.predict(
+                store, [PredictionJob(seq_id, num_tokens, self._token_confidence(state, num_tokens))]
+            )[seq_id]
         per_token = store.model_token_bytes / store.num_layers
         full_bytes, key_only_bytes = store.entry_bytes(store.codec_of(seq_id))
         # Buffers are sized in chunks: leave room for that rounding so the held bytes meet the target.
@@ -254,6 +294,7 @@ class CompressionEngine:
                 positions=positions,
                 attention=kv.attention[:n],
                 token_confidence=confidence[positions],
+                predicted=predicted[layer] if predicted is not None else None,
                 position=num_tokens - 1,
                 layer=layer,
                 seed=params.seed,

@@ -15,7 +15,8 @@ bytes back. Layers of one sequence may hold different tokens; each keeps its ent
 
 The account counts every tensor that holds keys or values (capacity, not just the filled part),
 their quantisation scales included. Positions and observed attention (8 bytes a token and layer,
-not KV) are bookkeeping and are not counted.
+not KV; 2 more per kept observation when the value predictor reads recent observations) are
+bookkeeping and are not counted.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class LayerKV:
     value_params: torch.Tensor | None
     positions: torch.Tensor  # [capacity] token positions, in key order
     attention: torch.Tensor  # [capacity] float32 attention observed by the scoring policy
+    observed: torch.Tensor | None = None  # [history_steps, capacity] fp16 latest observations, oldest first
     ko_values: Quantized | None = None
     length: int = 0
     num_key_only: int = 0
@@ -152,8 +154,10 @@ class KVStore:
         device: torch.device | str = "cpu",
         storage: torch.dtype | str | None = None,
         key_only_bits: int = 4,
+        history_steps: int = 0,
     ) -> None:
         self.num_layers = num_layers
+        self.history_steps = history_steps  # observations each entry keeps for the value predictor
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.max_bytes = max_bytes
@@ -294,6 +298,8 @@ class KVStore:
         seq.codec.write(layer.values, layer.value_params, layer.num_full, values)
         layer.positions[start : start + n] = positions
         layer.attention[start : start + n] = 0.0
+        if layer.observed is not None:
+            layer.observed[:, start : start + n] = 0.0
         layer.length += n
 
     def view(self, seq_id: int, layer_idx: int) -> LayerView:
@@ -395,6 +401,8 @@ class KVStore:
             rebuilt.key_params[:, :n] = layer.key_params.index_select(1, order)
         rebuilt.positions[:n] = layer.positions.index_select(0, order)
         rebuilt.attention[:n] = layer.attention.index_select(0, order)
+        if layer.observed is not None:
+            rebuilt.observed[:, :n] = layer.observed.index_select(1, order)
         full_slots = keep_full - layer.num_key_only  # FULL entry i has its value at slot i - num_key_only
         rebuilt.values[:, :n_full] = layer.values.index_select(1, full_slots)
         if layer.value_params is not None:
@@ -432,6 +440,9 @@ class KVStore:
             value_params=value_params,
             positions=torch.empty(key_capacity, dtype=torch.long, device=self.device),
             attention=torch.zeros(key_capacity, dtype=torch.float32, device=self.device),
+            observed=torch.zeros(self.history_steps, key_capacity, dtype=torch.float16, device=self.device)
+            if self.history_steps
+            else None,
         )
 
     def _resize(self, codec: Codec, layer: LayerKV, key_capacity: int, value_capacity: int) -> None:
@@ -444,10 +455,12 @@ class KVStore:
             grown.value_params[:, :nf] = layer.value_params[:, :nf]
         grown.positions[:n] = layer.positions[:n]
         grown.attention[:n] = layer.attention[:n]
+        if layer.observed is not None:
+            grown.observed[:, :n] = layer.observed[:, :n]
         before = layer.nbytes
         layer.keys, layer.key_params = grown.keys, grown.key_params
         layer.values, layer.value_params = grown.values, grown.value_params
-        layer.positions, layer.attention = grown.positions, grown.attention
+        layer.positions, layer.attention, layer.observed = grown.positions, grown.attention, grown.observed
         self.used_bytes += layer.nbytes - before
 
 

@@ -24,6 +24,7 @@ class LayerEntries:
     position: int  # position of the newest token
     layer: int
     seed: int = 0
+    predicted: torch.Tensor | None = None  # [n] the value predictor's future attention, when it ran
 
 
 @dataclass
@@ -116,12 +117,13 @@ class Random(ScorePolicy):
 
 @dataclass
 class Dynamic(ScorePolicy):
-    """Decayed observed attention, pooled over neighbours, raised for tokens sampled in doubt.
+    """Future value, pooled over neighbours, raised for tokens sampled in doubt.
 
-    Old observations fade (`decay` per observation), so entries that mattered once but no longer
-    do can leave, while the pooling keeps the neighbours of attended tokens (facts span several
-    tokens). Tokens the model sampled with low confidence mark points where the text could have
-    gone another way; they get up to `doubt_weight` more.
+    The future value is the attention the value predictor expects over the coming window when it
+    ran, else the decayed observed attention: old observations fade (`decay` per observation), so
+    entries that mattered once but no longer do can leave. The pooling keeps the neighbours of
+    attended tokens (facts span several tokens). Tokens the model sampled with low confidence
+    mark points where the text could have gone another way; they get up to `doubt_weight` more.
     """
 
     name = "dynamic"
@@ -134,7 +136,8 @@ class Dynamic(ScorePolicy):
         return self.decay * previous + observed
 
     def score(self, entries: LayerEntries) -> torch.Tensor:
-        pooled = _pool(entries.attention, self.kernel_size, "max")
+        value = entries.attention if entries.predicted is None else entries.predicted
+        pooled = _pool(value, self.kernel_size, "max")
         return pooled * (1.0 + self.doubt_weight * (1.0 - entries.token_confidence))
 
 

@@ -47,8 +47,8 @@ def test_every_policy_respects_the_compression_rate(model, tokenizer, policy, ra
     engine = make_engine(model, tokenizer, compression=SETTINGS)
     sizes = []  # held and uncompressed bytes right after each compression
 
-    def check_after_compress(seq_id, num_tokens, state, _compress=engine.compression.compress):
-        _compress(seq_id, num_tokens, state)
+    def check_after_compress(seq_id, num_tokens, state, *args, _compress=engine.compression.compress):
+        _compress(seq_id, num_tokens, state, *args)
         sizes.append((engine.store.seq_bytes(seq_id), num_tokens * engine.store.model_token_bytes))
 
     engine.compression.compress = check_after_compress

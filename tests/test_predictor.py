@@ -58,37 +58,110 @@ def test_saved_weights_load_with_identical_predictions_and_refuse_another_model(
     assert load_predictor(tmp_path / "missing.safetensors", model_fingerprint(llama.config)) is None
 
 
-def test_traces_record_every_decode_step_and_targets_sum_the_future(tokenizer):
+def test_traces_follow_the_serving_timeline_and_targets_sum_the_future(tokenizer):
     import random
 
     from app.engine import EngineConfig, LLMEngine
     from compression.config import CompressionConfig
     from compression.predictor.collect import record, samples
-    from compression.predictor.features import target
+    from compression.predictor.features import scaled_attention, target
 
     model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
     engine = LLMEngine(
         model,
         tokenizer,
         EngineConfig(max_cache_bytes=2**28),
-        CompressionConfig(score_interval=1, compression_interval=10**6),
+        CompressionConfig(score_interval=1, compression_interval=10**6, observation_window=8),
     )
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 1000) for _ in range(30 + 10 * i)] for i in range(2)]
     recordings = record(engine, prompts, max_tokens=12)
     for rec, prompt in zip(recordings, prompts, strict=True):
         assert len(rec.confidences) == 12 and rec.prompt_len == len(prompt)
-        for layer_masses in rec.masses:
+        for prefill, layer_masses in zip(rec.prefill, rec.masses, strict=True):
+            assert prefill.shape == (8, len(prompt))  # the last 8 prompt queries, one row each
+            assert torch.allclose(prefill.sum(dim=1), torch.ones(8), atol=1e-4)
             assert len(layer_masses) == 11  # one per decode step (the first token comes from prefill)
             for j, mass in enumerate(layer_masses):
                 assert len(mass) == len(prompt) + j + 1  # every held entry and the query itself
                 assert float(mass.sum()) == pytest.approx(1.0, abs=1e-4)  # one query's attention
     config = PredictorConfig.load(observation_steps=2, prediction_window=4)
-    windows, targets = samples(recordings[0], config, stride=2, per_step=5, rng=random.Random(1))
-    assert windows.shape[1:] == (2, config.num_features) and len(windows) == len(targets) > 0
-    # The first sample: layer 0, observation 1, its entries; the target sums observations 2..5.
-    first = recordings[0].masses[0]
-    entries = torch.tensor(sorted(random.Random(1).sample(range(len(first[0])), 5)))
-    future = sum(first[j][entries] for j in range(2, 6))
-    assert torch.allclose(targets[:5], target(future))
+    rec = recordings[0]
+    got = samples(rec, config, every=2, decay=0.5, stride=1, per_step=5, rng=random.Random(1))
+    windows, targets, groups = got["windows"], got["targets"], got["groups"]
+    assert windows.shape[1:] == (2, config.num_features) and len(windows) == len(targets) == len(groups) > 0
+    # The first group: layer 0 at the end of prefill; the window holds prompt queries 2 apart
+    # (the last and the third last), the target sums decode steps 0..3.
+    picks = random.Random(1)
+    first = torch.tensor(sorted(picks.sample(range(len(prompts[0])), 5)))
+    prefill, decode = rec.prefill[0], rec.masses[0]
+    assert torch.allclose(windows[groups == 0][:, :, 0], scaled_attention(prefill[[-3, -1]][:, first].T))
+    assert torch.allclose(targets[groups == 0], target(sum(decode[j][first] for j in range(4))))
+    assert torch.allclose(got["accumulated"][groups == 0], prefill.sum(0)[first])
+    # The next group: the first decode observation (step 0, which also sees its own entry): the
+    # target sums steps 1..4 and the decayed score has taken the observation in (decay 0.5).
+    second = torch.tensor(sorted(picks.sample(range(len(prompts[0]) + 1), 5)))
+    padded = torch.cat((prefill.sum(0), torch.zeros(1)))
+    assert torch.allclose(targets[groups == 1], target(sum(decode[j][second] for j in range(1, 5))))
+    decayed = 0.5 * padded + decode[0]
+    assert torch.allclose(windows[groups == 1][:, -1, 1], scaled_attention(decayed[second]))
+    assert torch.allclose(got["accumulated"][groups == 1], (padded + decode[0])[second])
     assert engine.store.used_bytes == 0
+
+
+class NewestFirst(torch.nn.Module):
+    """Stands in for trained weights: predicts that the newest entries will matter most."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = PredictorConfig.load(observation_steps=2)
+        self.batches: list[int] = []
+
+    def forward(self, window: torch.Tensor) -> torch.Tensor:
+        self.batches.append(len(window))
+        return 5.0 * window[:, -1, self.config.features.index("position")]
+
+
+def test_the_dynamic_policy_tiers_by_the_prediction_batched_over_layers_and_sequences(tokenizer):
+    from app.engine import EngineConfig, LLMEngine, run_to_completion
+    from compression.config import CompressionConfig, resolve
+    from compression.predictor.online import FutureValue
+    from tests.helpers import greedy
+
+    model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    predictor = NewestFirst()
+    settings = CompressionConfig(sink_tokens=4, recent_window=16, compression_interval=8, score_interval=2)
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_cache_bytes=2**30), settings, FutureValue(predictor, 2))
+    compressed: list[tuple[bool, torch.Tensor, int]] = []
+
+    def check_after_compress(seq_id, num_tokens, state, *args, _compress=engine.compression.compress):
+        _compress(seq_id, num_tokens, state, *args)
+        kv = engine.store.layer(seq_id, 0)
+        assert kv.observed is not None and kv.observed.shape[0] == 2
+        compressed.append((state.params.value_predictor, kv.positions[: kv.length].sort().values, num_tokens))
+
+    engine.compression.compress = check_after_compress
+    rng = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, len(tokenizer), (150,), generator=rng).tolist()  # all three prefill in one step
+    for name, use in (("a", True), ("b", True), ("c", False)):
+        params = resolve(settings, {"policy": "dynamic", "compression_rate": 0.8, "value_predictor": use}, True, False)
+        engine.add_request(name, ids, greedy(24, ignore_eos=True), params)
+    run_to_completion(engine)
+    assert engine.store.used_bytes == 0
+    predicted = [c for c in compressed if c[0]]
+    assert len(predicted) == 2 * len(predictor.batches)  # both due together: one batch for the two
+    layers = engine.store.num_layers
+    assert all(rows >= 2 * layers * 50 for rows in predictor.batches)  # every layer of both sequences
+    for use, held, num_tokens in compressed:
+        middle = held[(held >= 4) & (held <= num_tokens - 1 - 16)]  # neither sinks nor the recent window
+        newest_kept = torch.equal(middle, torch.arange(num_tokens - 16 - len(middle), num_tokens - 16))
+        assert newest_kept == use  # with the prediction: exactly the newest; without: attention's choice
+
+
+def test_without_weights_the_server_says_it_scores_by_attention_only(tmp_path, caplog, tokenizer):
+    from compression.predictor.online import load_future_value
+
+    llama = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    with caplog.at_level("WARNING"):
+        assert load_future_value(tmp_path / "none.safetensors", llama.config, torch.device("cpu"), 4) is None
+    assert "observed attention only" in caplog.text and "make train-predictor" in caplog.text

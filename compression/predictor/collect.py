@@ -1,10 +1,12 @@
 """Collect predictor traces: the model runs with an uncompressed cache while every decode step's
 attention on every cached entry is recorded; each recording becomes (window, target) samples.
 
-For an observation k of layer l, an entry's window is its features at observations k-T+1..k and
-its target the attention it receives over observations k+1..k+W (T = observation_steps,
-W = prediction_window). Prompts come from text that ships with Python: long documents with a
-question, multi-turn chats and free continuations.
+The samples follow the observation timeline the serving engine sees: at the end of prefill, the
+last prompt queries spaced `score_interval` apart; then one decode query every `score_interval`
+steps. An entry's window is its features at the last `observation_steps` observations; its target
+the attention it receives over the next `prediction_window` decode steps (every step counts).
+Prompts come from text that ships with Python: long documents with a question, multi-turn chats
+and free continuations.
 
     python -m compression.predictor.collect --out traces/ --sequences 24
 """
@@ -23,16 +25,15 @@ from tqdm import tqdm
 from app.engine import EngineConfig, LLMEngine
 from app.sequence import SamplingParams
 from compression.config import CompressionConfig, resolve
-from compression.predictor.features import entry_features, target
+from compression.predictor.features import target, window_features
 from compression.predictor.model import PredictorConfig
-
-DECAY = 0.95  # as the dynamic policy's attention_decay
 
 
 @dataclass
 class Recording:
-    """Per layer, the attention mass [entries] of every decode-step observation of one sequence."""
+    """Per layer: the prompt's observed queries [queries, prompt_len] and every decode step's mass."""
 
+    prefill: list[torch.Tensor | None]
     masses: list[list[torch.Tensor]]
     confidences: list[float] = field(default_factory=list)  # top-token probability of each generated token
     prompt_len: int = 0
@@ -43,14 +44,15 @@ def record(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list
     """Run `prompts` through `engine` (which must observe every step and drop nothing)."""
     num_layers = engine.store.num_layers
     recordings: dict[int, Recording] = {}
-    seen_prefill: set[tuple[int, int]] = set()
     observe = engine.compression.on_attention
 
-    def recording_observer(seq_id: int, layer: int, mass: torch.Tensor) -> None:
-        observe(seq_id, layer, mass)
-        if (seq_id, layer) in seen_prefill:  # the end-of-prefill observation sums many queries: skip it
-            recordings[seq_id].masses[layer].append(mass.detach().float().cpu().clone())
-        seen_prefill.add((seq_id, layer))
+    def recording_observer(seq_id: int, layer: int, rows: torch.Tensor) -> None:
+        observe(seq_id, layer, rows)
+        rec = recordings[seq_id]
+        if rec.prefill[layer] is None:
+            rec.prefill[layer] = rows.detach().float().cpu().clone()
+        else:
+            rec.masses[layer].append(rows[-1].detach().float().cpu().clone())
 
     after_step = engine.compression.after_step
 
@@ -67,7 +69,7 @@ def record(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list
     )
     for i, prompt in enumerate(prompts):
         seq = engine.add_request(f"trace-{i}", prompt, sampling, params)
-        recordings[seq.seq_id] = Recording([[] for _ in range(num_layers)], prompt_len=len(prompt))
+        recordings[seq.seq_id] = Recording([None] * num_layers, [[] for _ in range(num_layers)], prompt_len=len(prompt))
     key_norms: dict[int, list[torch.Tensor]] = {}
     with torch.inference_mode(), tqdm(total=len(prompts), desc="recording attention", unit="sequence") as bar:
         while engine.has_unfinished():
@@ -85,52 +87,82 @@ def record(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list
     return list(recordings.values())
 
 
-def samples(rec: Recording, config: PredictorConfig, stride: int, per_step: int, rng: random.Random):
-    """(windows [n, T, F], targets [n]) from one recording."""
+def samples(
+    rec: Recording, config: PredictorConfig, every: int, decay: float, stride: int, per_step: int, rng: random.Random
+) -> dict[str, torch.Tensor]:
+    """Samples of one recording: `windows` [n, T, F] and `targets` [n] to train on, plus what the
+    offline comparison with attention-only scorers needs: `accumulated` [n] (attention summed over
+    every observation, H2O's score) and `groups` [n] (the samples of one layer at one observation
+    share a group: scorers are compared by what they keep within it).
+
+    `every` is the serving engine's score_interval and `decay` its attention_decay; a sample is
+    taken at every `stride`-th observation, for `per_step` random entries of the layer.
+    """
     steps, window = config.observation_steps, config.prediction_window
-    num_layers = len(rec.masses)
-    windows, targets = [], []
-    for layer, masses in enumerate(rec.masses):
-        if len(masses) < steps + window:
+    num_layers, prompt_len = len(rec.masses), rec.prompt_len
+    parts: dict[str, list[torch.Tensor]] = {"windows": [], "targets": [], "accumulated": [], "groups": []}
+    group = 0
+    for layer, decode in enumerate(rec.masses):
+        prefill = rec.prefill[layer]
+        if prefill is None or len(decode) <= window:
             continue
-        total = len(masses[-1])  # the last observation saw every entry
-        key_norm = torch.zeros(total)  # read before the last step: entries chosen below are all covered
+        rows = [prefill.shape[0] - 1 - every * (steps - 1 - r) for r in range(steps)]
+        if rows[0] < 0:
+            raise ValueError("observation_window must cover observation_steps x score_interval prompt queries")
+        total = prompt_len + len(decode)
+        observed = list(range(0, len(decode), every))  # decode steps the serving engine observes
+        masses = torch.zeros(steps + len(observed), total)
+        masses[:steps, : prefill.shape[1]] = prefill[rows]
+        dense = torch.zeros(len(decode), total)
+        for j, mass in enumerate(decode):
+            dense[j, : len(mass)] = mass
+        masses[steps:] = dense[observed]
+        queries = torch.tensor([prompt_len - 1 - every * (steps - 1 - r) for r in range(steps)])
+        queries = torch.cat((queries, prompt_len + torch.tensor(observed)))
+        cumulative = torch.cat((torch.zeros(1, total), dense.cumsum(0)))  # window sums by difference
+        decayed = torch.zeros(total)
+        decayed[: prefill.shape[1]] = prefill.sum(0)
+        accumulated = decayed.clone()
+        key_norm = torch.zeros(total)
         key_norm[: len(rec.key_norms[layer])] = rec.key_norms[layer][:total]
         confidence = torch.ones(total)
-        generated = torch.tensor(rec.confidences[: total - rec.prompt_len])
-        confidence[rec.prompt_len : rec.prompt_len + len(generated)] = generated
-        padded = torch.zeros(len(masses), total)  # observation j saw entries 0..len(masses[j])-1
-        for j, m in enumerate(masses):
-            padded[j, : len(m)] = m
-        decayed = torch.zeros_like(padded)
-        running = torch.zeros(total)
-        for j in range(len(masses)):
-            running = DECAY * running + padded[j]
-            decayed[j] = running
-        for k in range(steps - 1, len(masses) - window, stride):
-            entries = len(masses[k - steps + 1])  # present in the whole window
-            chosen = torch.tensor(sorted(rng.sample(range(entries), min(per_step, entries))))
-            future = padded[k + 1 : k + 1 + window, chosen].sum(0)
-            rows = []
-            for j in range(k - steps + 1, k + 1):
-                query = len(masses[j])  # the observing query's position
-                rows.append(
-                    entry_features(
-                        padded[j, chosen],
-                        decayed[j, chosen],
-                        chosen,
-                        query,
-                        confidence[chosen],
-                        key_norm[chosen],
-                        layer,
-                        num_layers,
-                    )
-                )
-            windows.append(torch.stack(rows, dim=1))
-            targets.append(target(future))
-    if not windows:
-        return torch.empty(0, steps, len(config.features)), torch.empty(0)
-    return torch.cat(windows), torch.cat(targets)
+        generated = torch.tensor(rec.confidences[: total - prompt_len])
+        confidence[prompt_len : prompt_len + len(generated)] = generated
+        for i in range(steps - 1, len(masses)):
+            if i >= steps:
+                decayed = decay * decayed + masses[i]
+                accumulated = accumulated + masses[i]
+            first = 0 if i < steps else observed[i - steps] + 1  # the first decode step after this query
+            if first + window > len(decode):
+                break
+            if (i - steps + 1) % stride:
+                continue
+            present = int(queries[i]) + 1  # the query sees entries up to its own position
+            chosen = torch.tensor(sorted(rng.sample(range(present), min(per_step, present))))
+            span = slice(i - steps + 1, i + 1)
+            features = window_features(
+                masses[span][:, chosen],
+                decayed[chosen],
+                chosen,
+                queries[span],
+                confidence[chosen],
+                key_norm[chosen],
+                layer,
+                num_layers,
+            )
+            parts["windows"].append(features)
+            parts["targets"].append(target(cumulative[first + window, chosen] - cumulative[first, chosen]))
+            parts["accumulated"].append(accumulated[chosen])
+            parts["groups"].append(torch.full((len(chosen),), group))
+            group += 1
+    if not parts["windows"]:
+        return {
+            "windows": torch.empty(0, steps, config.num_features),
+            "targets": torch.empty(0),
+            "accumulated": torch.empty(0),
+            "groups": torch.empty(0, dtype=torch.long),
+        }
+    return {name: torch.cat(tensors).contiguous() for name, tensors in parts.items()}
 
 
 def main() -> None:
@@ -143,12 +175,13 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=24)
     parser.add_argument("--prompt-tokens", type=int, default=800)
     parser.add_argument("--max-tokens", type=int, default=320)
-    parser.add_argument("--stride", type=int, default=8)
+    parser.add_argument("--stride", type=int, default=2, help="observations between samples")
     parser.add_argument("--entries-per-step", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     config = PredictorConfig.load()
+    serving = CompressionConfig.load()  # the observation timeline to reproduce
     model, tokenizer = load_model(args.model_path, torch.device("cpu"))
     texts = paragraphs()
     prompts = []
@@ -163,13 +196,14 @@ def main() -> None:
             chat = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             ids = tokenizer(chat, add_special_tokens=False).input_ids
         prompts.append(ids)
-    compression = CompressionConfig(score_interval=1, compression_interval=10**6)
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_cache_bytes=2**32, max_num_seqs=8), compression)
+    recording = serving.model_copy(update={"score_interval": 1, "compression_interval": 10**6})
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_cache_bytes=2**32, max_num_seqs=8), recording)
     rng = random.Random(0)
     args.out.mkdir(parents=True, exist_ok=True)
     for i, rec in enumerate(record(engine, prompts, args.max_tokens)):
-        windows, targets = samples(rec, config, args.stride, args.entries_per_step, rng)
-        tensors = {"windows": windows.contiguous(), "targets": targets.contiguous()}
+        tensors = samples(
+            rec, config, serving.score_interval, serving.attention_decay, args.stride, args.entries_per_step, rng
+        )
         save_file(tensors, str(args.out / f"trace-{i:03d}.safetensors"))
 
 

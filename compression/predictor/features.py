@@ -1,4 +1,5 @@
-"""What the predictor sees of one (layer, entry) at one observation: the same in traces and online."""
+"""What the predictor sees of one (layer, entry) over its last observations: the same in traces
+and online, so that the weights learned from traces read the live cache the same way."""
 
 from __future__ import annotations
 
@@ -16,28 +17,41 @@ def scaled_attention(mass: torch.Tensor) -> torch.Tensor:
     return torch.log1p(ATTENTION_SCALE * mass)
 
 
-def entry_features(
-    mass: torch.Tensor,
+def unscaled_attention(scaled: torch.Tensor) -> torch.Tensor:
+    """The inverse of `scaled_attention`: back to attention mass (never negative)."""
+    return torch.expm1(scaled).clamp(min=0.0) / ATTENTION_SCALE
+
+
+def window_features(
+    masses: torch.Tensor,
     decayed: torch.Tensor,
     entry_positions: torch.Tensor,
-    query_position: int,
+    query_positions: torch.Tensor,
     token_confidence: torch.Tensor,
     key_norm: torch.Tensor,
     layer: int,
     num_layers: int,
 ) -> torch.Tensor:
-    """[n, len(FEATURES)] for n entries of one layer at one observation, in FEATURES order."""
-    age = (query_position - entry_positions).clamp(min=0).float()
+    """[n, T, len(FEATURES)] for n entries of one layer over T observations (oldest first).
+
+    masses [T, n]: attention each entry received from each observed query (mean over heads);
+    query_positions [T]: those queries' positions; decayed [n]: the dynamic policy's decayed score
+    now, the same at every observation (it summarises the time before the window).
+    """
+    steps, n = masses.shape
+    query = query_positions.view(steps, 1).to(masses.device).float()
+    position = entry_positions.view(1, n).float()
+    age = (query - position).clamp(min=0.0)
     columns = (
-        scaled_attention(mass),
-        scaled_attention(decayed),
+        scaled_attention(masses.float()),
+        scaled_attention(decayed.float()).view(1, n),
         torch.log1p(age) / math.log(MAX_CONTEXT),
-        entry_positions.float() / max(query_position, 1),
-        token_confidence,
-        key_norm / KEY_NORM_SCALE,
-        torch.full_like(mass, layer / num_layers),
+        position / query.clamp(min=1.0),
+        token_confidence.float().view(1, n),
+        key_norm.float().view(1, n) / KEY_NORM_SCALE,
+        torch.full((1, 1), layer / num_layers, device=masses.device),
     )
-    return torch.stack([c.float() for c in columns], dim=-1)
+    return torch.stack([c.expand(steps, n) for c in columns], dim=-1).transpose(0, 1)
 
 
 def target(future_mass: torch.Tensor) -> torch.Tensor:

@@ -39,8 +39,14 @@ class PredictorConfig:
     validation_share: float = 0.2
 
     @classmethod
-    def load(cls, path: Path | None = None, **overrides) -> PredictorConfig:
+    def load(cls, path: Path | None = None, profile: str | None = None, **overrides) -> PredictorConfig:
+        """The config file's settings, with a named profile's and then `overrides` over them."""
         data = yaml.safe_load(Path(path or DEFAULT_CONFIG).read_text())
+        profiles = data.pop("profiles", {}) or {}
+        if profile is not None:
+            if profile not in profiles:
+                raise ValueError(f"no predictor profile {profile!r}; the config has {sorted(profiles)}")
+            data.update(profiles[profile])
         data.update(overrides)
         if data.get("model_arch") != "lstm":
             raise ValueError(f"model_arch {data.get('model_arch')!r} is not supported; use lstm")
@@ -51,6 +57,10 @@ class PredictorConfig:
     @property
     def num_features(self) -> int:
         return len(self.features)
+
+    @property
+    def short_description(self) -> str:
+        return f"{self.model_arch} {self.num_layers}x{self.hidden_size}, {self.observation_steps} observations"
 
 
 class ValuePredictor(nn.Module):

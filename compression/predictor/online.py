@@ -1,0 +1,85 @@
+"""The predictor at serving time: predicted future attention for every held entry, in one batch.
+
+Each entry of the live cache keeps its last `observation_steps` observations (the KV store's
+`observed`, filled by the compression engine); from those, the entry's decayed score, position,
+token confidence and key norm, the same features as in the traces are built for every layer of
+every sequence due for compression, and the LSTM runs once over all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from compression.kv_store import KVStore
+from compression.predictor.features import unscaled_attention, window_features
+from compression.predictor.model import ValuePredictor, load_predictor, model_fingerprint
+
+log = logging.getLogger(__name__)
+
+PREDICTOR_DIR = Path(__file__).resolve().parents[2] / "models" / "predictor"
+
+
+@dataclass
+class PredictionJob:
+    seq_id: int
+    num_tokens: int  # tokens whose KV is computed; the newest query sits at num_tokens - 1
+    token_confidence: torch.Tensor  # [num_tokens + 1] by position
+
+
+class FutureValue:
+    def __init__(self, predictor: ValuePredictor, score_interval: int) -> None:
+        self.predictor = predictor
+        self.score_interval = score_interval  # decode steps between the observations an entry keeps
+
+    @property
+    def history_steps(self) -> int:
+        return self.predictor.config.observation_steps
+
+    @torch.inference_mode()
+    def predict(self, store: KVStore, jobs: list[PredictionJob]) -> dict[int, list[torch.Tensor]]:
+        """Per sequence, per layer: the attention mass each held entry is predicted to receive."""
+        windows, sizes = [], []
+        offsets = self.score_interval * torch.arange(self.history_steps - 1, -1, -1, device=store.device)
+        for job in jobs:
+            queries = job.num_tokens - 1 - offsets
+            for layer in range(store.num_layers):
+                kv = store.layer(job.seq_id, layer)
+                n = kv.length
+                positions = kv.positions[:n]
+                windows.append(
+                    window_features(
+                        kv.observed[:, :n],
+                        kv.attention[:n],
+                        positions,
+                        queries,
+                        job.token_confidence[positions],
+                        store.view(job.seq_id, layer).keys.float().norm(dim=-1).mean(dim=0),
+                        layer,
+                        store.num_layers,
+                    )
+                )
+                sizes.append(n)
+        if not windows:
+            return {}
+        predicted = unscaled_attention(self.predictor(torch.cat(windows)).float()).split(sizes)
+        per_job = store.num_layers
+        return {job.seq_id: list(predicted[i * per_job : (i + 1) * per_job]) for i, job in enumerate(jobs)}
+
+
+def load_future_value(path: Path, model_config, device: torch.device, score_interval: int) -> FutureValue | None:
+    """The predictor saved at `path` for this model, or None with one log line saying that the
+    dynamic policy scores by observed attention only."""
+    predictor = load_predictor(path, model_fingerprint(model_config))
+    if predictor is None:
+        log.warning(
+            "no value predictor at %s: the dynamic policy scores by observed attention only "
+            "(train one for this model with `make train-predictor`)",
+            path,
+        )
+        return None
+    log.info("value predictor %s loaded (%s)", path, predictor.config.short_description)
+    return FutureValue(predictor.to(device), score_interval)
