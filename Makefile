@@ -46,7 +46,7 @@ collect-traces: model
 
 train-predictor: model
 	test -d $(TRACES) || $(PY) -m compression.predictor.collect --out $(TRACES)
-	$(PY) -m compression.predictor.train --traces $(TRACES) --out $(PREDICTOR)
+	$(PY) -m compression.predictor.train --traces $(TRACES) --profile small --out $(PREDICTOR)
 
 load-test: model
 	$(PY) load_tests/run.py $(ARGS)

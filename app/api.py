@@ -29,7 +29,7 @@ from app.schemas import ErrorResponse, GenerateRequest, GenerateResponse
 from app.serving import APIError, GenerateService
 from app.settings import Settings
 from compression.config import resolve
-from compression.predictor.online import PREDICTOR_DIR, load_future_value
+from compression.predictor.online import load_future_value, predictor_path
 from models.loader import load_model
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def build_engine(settings: Settings) -> LLMEngine:
     if settings.value_predictor != "off":
         path = Path(settings.value_predictor)
         if settings.value_predictor == "auto":
-            path = PREDICTOR_DIR / f"{settings.model_folder_name()}.safetensors"
+            path = predictor_path(settings.model_path)
         future_value = load_future_value(path, model.config, device, compression.score_interval)
     engine = LLMEngine(model, tokenizer, config, compression, future_value)
     if settings.prefix_cache_warmup:

@@ -13,8 +13,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from app.schemas import ChatMessage
 from compression.config import DEFAULT_FILE as DEFAULT_COMPRESSION_FILE
 from compression.config import CompressionConfig, parse_size
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+from models.default_model import MODEL_NAME
 
 
 class Settings(BaseSettings):
@@ -120,11 +119,8 @@ class Settings(BaseSettings):
             return getattr(torch, self.dtype)
         return model_dtype if self.resolved_device().type == "cuda" else torch.float32
 
-    def model_folder_name(self) -> str:
-        return self.model_path.name if self.model_path else DEFAULT_MODEL_NAME
-
     def model_name(self) -> str:
-        return self.served_model_name or self.model_folder_name()
+        return self.served_model_name or (self.model_path.name if self.model_path else MODEL_NAME)
 
     def compression(self) -> CompressionConfig:
         return CompressionConfig.load(self.compression_config or DEFAULT_COMPRESSION_FILE)

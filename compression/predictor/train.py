@@ -4,7 +4,8 @@ A trace file (`.safetensors`) holds `windows` [samples, observation_steps, featu
 [samples] (log1p of the future attention mass). Training shows progress, keeps a validation split,
 stops early when validation stops improving, and saves the best weights with their metadata.
 
-    python -m compression.predictor.train --traces traces/ --out models/predictor/SmolLM2-135M-Instruct.safetensors
+    python -m compression.predictor.train --traces traces/ --profile small \
+        --out models/predictor/SmolLM2-135M-Instruct.safetensors
 """
 
 from __future__ import annotations
@@ -31,12 +32,26 @@ class History:
     best_epoch: int
 
 
-def load_traces(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
+HELD_OUT_EVERY = 4  # every 4th trace file (by name) is kept out of training, for the evidence
+
+
+def trace_files(folder: Path, held_out: bool) -> list[Path]:
+    """The training files, or the held-out ones: whole sequences, so nothing leaks between them."""
     files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no trace files (*.safetensors) in {folder}; collect some first")
-    parts = [load_file(str(f)) for f in files]
-    return torch.cat([p["windows"] for p in parts]), torch.cat([p["targets"] for p in parts])
+    if len(files) < HELD_OUT_EVERY:
+        raise FileNotFoundError(
+            f"{len(files)} trace files (*.safetensors) in {folder}; collect at least {HELD_OUT_EVERY} first"
+        )
+    return [f for i, f in enumerate(files) if (i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1) == held_out]
+
+
+def load_traces(folder: Path, held_out: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors of the training (or held-out) trace files, concatenated; groups stay distinct."""
+    parts = [load_file(str(f)) for f in trace_files(folder, held_out)]
+    offsets = torch.tensor([0] + [int(p["groups"].max()) + 1 if len(p["groups"]) else 0 for p in parts]).cumsum(0)
+    for part, offset in zip(parts, offsets, strict=False):
+        part["groups"] = part["groups"] + offset
+    return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
 
 
 def train(
@@ -88,16 +103,20 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model-path", type=Path, default=None, help="the traces' model (default: embedded)")
     parser.add_argument("--config", type=Path, default=None)
+    parser.add_argument("--profile", default=None, help="a named profile of the config (e.g. small)")
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO)
     from transformers import AutoConfig
 
     from models.default_model import default_model_path
 
     fingerprint = model_fingerprint(AutoConfig.from_pretrained(args.model_path or default_model_path()))
-    config = PredictorConfig.load(args.config)
-    windows, targets = load_traces(args.traces)
-    predictor, history = train(windows, targets, config)
+    config = PredictorConfig.load(args.config, args.profile)
+    traces = load_traces(args.traces)
+    log.info("%d training samples (held out: every %dth trace file)", len(traces["targets"]), HELD_OUT_EVERY)
+    predictor, history = train(traces["windows"], traces["targets"], config)
     save_predictor(predictor, args.out, fingerprint, {"best_validation_loss": min(history.validation_loss)})
     best = min(history.validation_loss)
     log.info("saved %s (best epoch %d, validation loss %.4f)", args.out, history.best_epoch, best)
