@@ -28,7 +28,6 @@ from compression.config import CompressionConfig, resolve
 from compression.predictor.features import target, window_features
 from compression.predictor.model import PredictorConfig
 
-
 SAMPLE_TENSORS = ("windows", "targets", "accumulated", "groups", "at_prefill")
 
 
