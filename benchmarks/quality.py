@@ -3,7 +3,8 @@
 Needle retrieval accuracy (relative to the uncompressed cache), ROUGE-L of greedy summaries
 against the uncompressed summaries, the memory actually kept (compressed_size / original_size,
 measured) and the attention recall, for each policy and compression rate, plus uniform int8 and
-int4 quantisation of every key and value as baselines at their own byte counts.
+int4 quantisation of every key and value as baselines at their own byte counts. `dynamic` runs as
+shipped (with the value predictor when its weights are there); `dynamic, attention only` without it.
 
     python benchmarks/quality.py                # 30 needle cases (1k-2k tokens), 8 summaries, rates 0.6 0.75
     python benchmarks/quality.py --quick        # 6 needle cases, 3 summaries, rate 0.6
@@ -29,10 +30,12 @@ from app.sequence import SamplingParams  # noqa: E402
 from benchmarks.report import save_report  # noqa: E402
 from benchmarks.tasks import fidelity_cases, needle_cases  # noqa: E402
 from compression.config import CompressionConfig, resolve  # noqa: E402
+from compression.predictor.online import FutureValue, load_future_value, predictor_path  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = ("dynamic", "tova", "snapkv", "h2o", "knorm", "streaming_llm", "random")
+ATTENTION_ONLY = "dynamic, attention only"  # the dynamic policy without the value predictor
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class Setup:
     storage: str  # kv_cache_dtype
     policy: str
     rate: float
+    value_predictor: bool = True  # dynamic: rank by the predictor (when one is loaded)
 
 
 @dataclass
@@ -64,17 +68,32 @@ def setups(rates: list[float]) -> list[Setup]:
     for rate in rates:
         # Baselines evict at the model's dtype, as published; dynamic runs as shipped (int8 storage).
         plan += [Setup(policy, "int8" if policy == "dynamic" else "auto", policy, rate) for policy in POLICIES]
+        plan.append(Setup(ATTENTION_ONLY, "int8", "dynamic", rate, value_predictor=False))
     return plan
 
 
 def run_setup(
-    model, tokenizer, setup: Setup, prompts: dict[str, list[int]], max_tokens: dict[str, int]
+    model,
+    tokenizer,
+    setup: Setup,
+    prompts: dict[str, list[int]],
+    max_tokens: dict[str, int],
+    future_value: FutureValue | None,
 ) -> tuple[dict[str, str], dict[str, dict], float]:
     config = CompressionConfig()
     engine = LLMEngine(
-        model, tokenizer, EngineConfig(max_cache_bytes=2**33, max_num_seqs=8, max_num_batched_tokens=1024), config
+        model,
+        tokenizer,
+        EngineConfig(max_cache_bytes=2**33, max_num_seqs=8, max_num_batched_tokens=1024),
+        config,
+        future_value,
     )
-    request = {"policy": setup.policy, "compression_rate": setup.rate, "kv_cache_dtype": setup.storage}
+    request = {
+        "policy": setup.policy,
+        "compression_rate": setup.rate,
+        "kv_cache_dtype": setup.storage,
+        "value_predictor": setup.value_predictor,
+    }
     params = resolve(config, request, True, True)
     for name, ids in prompts.items():
         engine.add_request(name, ids, SamplingParams(max_tokens=max_tokens[name], temperature=0.0), params)
@@ -110,6 +129,8 @@ def main() -> None:
     from rouge_score import rouge_scorer
 
     model, tokenizer = load_model(args.model_path, torch.device("cpu"))
+    interval = CompressionConfig().score_interval
+    future_value = load_future_value(predictor_path(args.model_path), model.config, torch.device("cpu"), interval)
     needles = needle_cases(tokenizer, args.needles)
     summaries = fidelity_cases(tokenizer, args.summaries)
     prompts, max_tokens = {}, {}
@@ -125,7 +146,7 @@ def main() -> None:
     rows: list[Row] = []
     reference: dict[str, str] = {}
     for setup in tqdm(plan, desc="quality benchmark", unit="setup"):
-        texts, metrics, seconds = run_setup(model, tokenizer, setup, prompts, max_tokens)
+        texts, metrics, seconds = run_setup(model, tokenizer, setup, prompts, max_tokens, future_value)
         if setup.label == "uncompressed":
             reference = texts
         row = Row(setup, seconds=seconds, outputs=texts)

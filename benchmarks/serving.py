@@ -30,9 +30,11 @@ from app.sequence import SamplingParams  # noqa: E402
 from benchmarks.corpus import text_of_tokens  # noqa: E402
 from benchmarks.report import save_report  # noqa: E402
 from compression.config import CompressionConfig, resolve  # noqa: E402
+from compression.predictor.online import FutureValue, load_future_value, predictor_path  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+OVERHEAD_WITH_PREDICTOR = "dynamic 0.6 + value predictor"
 
 
 @dataclass
@@ -110,22 +112,29 @@ def run_sequential(model, tokenizer, prompts, max_new, _) -> tuple[float, list[f
     return wall, ttft, tpot
 
 
-def measure_overhead(model, tokenizer, num_seqs: int, prompt_tokens: int, max_new: int) -> dict:
-    """Decode steps of `num_seqs` sequences of `prompt_tokens`: compression off, and dynamic at 0.6.
+def measure_overhead(
+    model, tokenizer, num_seqs: int, prompt_tokens: int, max_new: int, future_value: FutureValue | None = None
+) -> dict:
+    """Decode steps of `num_seqs` sequences of `prompt_tokens`: compression off, dynamic at 0.6 by
+    observed attention and, given a value predictor, dynamic at 0.6 with it.
 
     Reports the median step time of each and, with compression on, the share of each step spent in
-    the compression engine (scoring, tiering, compaction), i.e. not counting the attention's own
-    work on the int8/KEY_ONLY tiers, which shows in the step-time ratio.
+    the compression engine (scoring, prediction, tiering, compaction), i.e. not counting the
+    attention's own work on the int8/KEY_ONLY tiers, which shows in the step-time ratio.
     """
     prompts = [text_of_tokens(tokenizer, prompt_tokens, offset=11 * i) for i in range(num_seqs)]
+    modes = {"compression off": ("none", None), "dynamic 0.6": ("dynamic", None)}
+    if future_value is not None:
+        modes[OVERHEAD_WITH_PREDICTOR] = ("dynamic", future_value)
     result = {}
-    for label, policy in (("compression off", "none"), ("dynamic 0.6", "dynamic")):
+    for label, (policy, predictor) in modes.items():
         config = CompressionConfig()
         engine = LLMEngine(
             model,
             tokenizer,
             EngineConfig(max_cache_bytes=2**34, max_num_seqs=num_seqs, max_num_batched_tokens=2048),
             config,
+            predictor,
         )
         params = resolve(config, {"policy": policy, "compression_rate": 0.6}, True, False)
         for i, p in enumerate(prompts):
@@ -145,7 +154,8 @@ def measure_overhead(model, tokenizer, num_seqs: int, prompt_tokens: int, max_ne
             "max_compression_share": max(shares),
             "decode_steps": len(steps),
         }
-    result["step_time_ratio"] = result["dynamic 0.6"]["median_step_s"] / result["compression off"]["median_step_s"]
+    for label in modes:
+        result[label]["step_time_ratio"] = result[label]["median_step_s"] / result["compression off"]["median_step_s"]
     return result
 
 
@@ -182,8 +192,10 @@ def main() -> None:
         args.overhead_seqs, args.overhead_prompt_tokens = 4, 512
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model_path, torch.device("cpu"))
-    overhead = measure_overhead(model, tokenizer, args.overhead_seqs, args.overhead_prompt_tokens, 48)
-    overhead_md = overhead_table(overhead, args)
+    interval = CompressionConfig().score_interval
+    future_value = load_future_value(predictor_path(args.model_path), model.config, torch.device("cpu"), interval)
+    overhead = measure_overhead(model, tokenizer, args.overhead_seqs, args.overhead_prompt_tokens, 48, future_value)
+    overhead_md = overhead_table(overhead, args.overhead_seqs, args.overhead_prompt_tokens, args.threads)
     save_report(args.out.with_name(args.out.name + "_overhead"), "Compression overhead", overhead_md, overhead)
     if args.overhead_only:
         return
@@ -219,22 +231,22 @@ def main() -> None:
     report(runs, args)
 
 
-def overhead_table(overhead: dict, args) -> str:
-    off, on = overhead["compression off"], overhead["dynamic 0.6"]
-    return "\n".join(
-        [
-            f"Compression overhead: {args.overhead_seqs} sequences of {args.overhead_prompt_tokens} prompt "
-            f"tokens decoding together, {args.threads} CPU threads.",
-            "",
-            "| | median decode step | compression engine share of the step (mean / max) |",
-            "| --- | ---: | ---: |",
-            f"| compression off | {off['median_step_s'] * 1000:.0f} ms | - |",
-            f"| dynamic, rate 0.6 (int8 storage) | {on['median_step_s'] * 1000:.0f} ms | "
-            f"{on['mean_compression_share']:.1%} / {on['max_compression_share']:.1%} |",
-            "",
-            f"Step time with compression / without: {overhead['step_time_ratio']:.2f}x.",
-        ]
-    )
+def overhead_table(overhead: dict, seqs: int, prompt_tokens: int, threads: int) -> str:
+    lines = [
+        f"Compression overhead: {seqs} sequences of {prompt_tokens} prompt tokens decoding together, {threads} "
+        "CPU threads; dynamic at rate 0.6 with int8 storage.",
+        "",
+        "| mode | median decode step | step time vs off | compression engine share of the step (mean / max) |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for label, row in overhead.items():
+        share = (
+            "-"
+            if label == "compression off"
+            else (f"{row['mean_compression_share']:.1%} / {row['max_compression_share']:.1%}")
+        )
+        lines.append(f"| {label} | {row['median_step_s'] * 1000:.0f} ms | {row['step_time_ratio']:.2f}x | {share} |")
+    return "\n".join(lines)
 
 
 def report(runs: list[Run], args) -> None:

@@ -36,6 +36,7 @@ from benchmarks.report import save_report  # noqa: E402
 from load_tests.run import served  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+GENERATE_BATCH = "transformers generate_batch"
 
 
 @dataclass
@@ -187,15 +188,63 @@ def prompt_bodies(num: int, prompt_tokens: int, max_tokens: int, compression: di
     return bodies
 
 
+def run_generate_batch(bodies: list[dict], kv_bytes: float, threads: int) -> dict:
+    """transformers' continuous batching (`generate_batch`) in this process, on the same prompts,
+    its paged KV cache sized to `kv_bytes`: the same budget, without compression."""
+    import torch
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    from models.loader import load_model
+
+    torch.set_num_threads(threads)
+    model, tokenizer = load_model(None, torch.device("cpu"))
+    page_size = 64
+    page_bytes = page_size * token_bytes(model.config)
+    batching = ContinuousBatchingConfig(page_size=page_size, num_blocks=int(kv_bytes // page_bytes))
+    generation = GenerationConfig(
+        max_new_tokens=bodies[0]["max_tokens"], do_sample=False, eos_token_id=-1, pad_token_id=tokenizer.pad_token_id
+    )
+    prompts = [body["prompt_token_ids"] for body in bodies]
+    started = time.perf_counter()
+    with torch.inference_mode():
+        outputs = model.generate_batch(
+            prompts, generation_config=generation, continuous_batching_config=batching, record_timestamps=True
+        )
+    wall = time.perf_counter() - started
+    results = []
+    for out in outputs.values():
+        stamps = out.timestamps or []
+        ok = out.error is None and len(stamps) > 0
+        results.append(
+            RequestResult(
+                ok=ok,
+                ttft=stamps[0] - started if ok else 0.0,
+                latency=stamps[-1] - started if ok else 0.0,
+                itl=[b - a for a, b in zip(stamps, stamps[1:], strict=False)],
+                output_tokens=len(out.generated_tokens),
+                text=tokenizer.decode(out.generated_tokens),
+                error=out.error or "",
+            )
+        )
+    # Requests running at each moment: admitted (no longer pending) and not finished.
+    spans = [(out.lifespan[0] - started, out.lifespan[1] - started) for out in outputs.values()]
+    samples = [{"t": t / 2, "running": sum(a <= t / 2 < b for a, b in spans)} for t in range(int(2 * wall) + 1)]
+    return {"results": results, "wall": wall, "samples": samples}
+
+
+def token_bytes(config) -> int:
+    """KV bytes of one token over all layers, at fp32 (the CPU default)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
+
+
 def headline(args) -> None:
     from transformers import AutoConfig
 
     from models.default_model import default_model_path
 
     config = AutoConfig.from_pretrained(default_model_path())
-    head_dim = config.hidden_size // config.num_attention_heads
-    token_bytes = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4  # fp32 on CPU
-    budget_mb = args.fit * (args.prompt_tokens + args.max_tokens + 32) * token_bytes / 1e6
+    budget_mb = args.fit * (args.prompt_tokens + args.max_tokens + 32) * token_bytes(config) / 1e6
     modes = {"compression off": {"enabled": False}, "dynamic 0.6": {"policy": "dynamic", "compression_rate": 0.6}}
     summaries, runs = {}, {}
     for name, compression in modes.items():
@@ -210,17 +259,33 @@ def headline(args) -> None:
         with served(None, flags) as (url, _):
             runs[name] = asyncio.run(run_load(url, bodies, float("inf"), args.num_prompts, args.seed))
         summaries[name] = summarise(runs[name], args.slo_ttft, args.slo_tpot)
-    off, on = (runs[m]["results"] for m in modes)
-    agreement = [a.text == b.text for a, b in zip(off[:4], on[:4], strict=True)]
+    bodies = prompt_bodies(args.num_prompts, args.prompt_tokens, args.max_tokens, None)
+    runs[GENERATE_BATCH] = run_generate_batch(bodies, budget_mb * 1e6, args.threads)
+    summaries[GENERATE_BATCH] = summarise(runs[GENERATE_BATCH], args.slo_ttft, args.slo_tpot)
     setup = (
         f"{args.num_prompts} concurrent requests of {args.prompt_tokens}-token prompts, {args.max_tokens} greedy "
         f"tokens each (EOS ignored), streamed over HTTP; max_cache_size {budget_mb:.0f} MB (about {args.fit} "
-        f"uncompressed requests); both modes in one run"
+        f"uncompressed requests); transformers' generate_batch in-process with a paged cache of the same bytes; "
+        "all in one run"
     )
-    report(summaries, runs, args, setup, agreement)
+    report(summaries, runs, args, setup, answer_agreement(runs, args.check_answers))
 
 
-def report(summaries: dict, runs: dict, args, setup: str, agreement: list[bool]) -> None:
+def answer_agreement(runs: dict, count: int) -> dict:
+    """The first `count` greedy answers with compression on against off: identical, and ROUGE-L."""
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"])
+    pairs = list(zip(runs["compression off"]["results"][:count], runs["dynamic 0.6"]["results"][:count], strict=True))
+    rouge = [scorer.score(off.text, on.text)["rougeL"].fmeasure for off, on in pairs]
+    return {
+        "compared": len(pairs),
+        "identical": sum(off.text == on.text for off, on in pairs),
+        "rouge_l": statistics.mean(rouge) if rouge else 0.0,
+    }
+
+
+def report(summaries: dict, runs: dict, args, setup: str, agreement: dict | None) -> None:
     lines = [
         f"{setup}; default model, fp32, {args.threads} CPU threads. SLO for goodput: TTFT <= {args.slo_ttft:.0f} s "
         f"and TPOT <= {args.slo_tpot:.2f} s.",
@@ -237,17 +302,25 @@ def report(summaries: dict, runs: dict, args, setup: str, agreement: list[bool])
             f"{s['tpot_s']['median']:.3f} / {s['tpot_s']['p99']:.3f} | "
             f"{s['itl_s']['median']:.3f} / {s['itl_s']['p99']:.3f} |"
         )
-    names = list(summaries)
-    if len(names) == 2:
-        a, b = (summaries[n] for n in names)
+    if agreement:
+        a, b = summaries["compression off"], summaries["dynamic 0.6"]
         lines += [
             "",
-            f"{names[1]} against {names[0]}: {b['peak_running'] / max(a['peak_running'], 1):.2f}x the peak running "
-            f"requests, {b['mean_running'] / max(a['mean_running'], 1e-9):.2f}x the mean, "
+            f"dynamic 0.6 against compression off: {b['peak_running'] / max(a['peak_running'], 1):.2f}x the peak "
+            f"running requests, {b['mean_running'] / max(a['mean_running'], 1e-9):.2f}x the mean, "
             f"{b['output_token_throughput'] / max(a['output_token_throughput'], 1e-9):.2f}x the token throughput, "
-            f"p99 TTFT {b['ttft_s']['p99']:.1f} s against {a['ttft_s']['p99']:.1f} s. Greedy answers of the first "
-            f"{len(agreement)} requests identical in both modes: {sum(agreement)}.",
+            f"p99 TTFT {b['ttft_s']['p99']:.1f} s against {a['ttft_s']['p99']:.1f} s. Answers of the first "
+            f"{agreement['compared']} requests: {agreement['identical']} identical, ROUGE-L "
+            f"{agreement['rouge_l']:.3f} against the uncompressed ones.",
         ]
+        peer = summaries.get(GENERATE_BATCH)
+        if peer:
+            lines.append(
+                f"Against transformers' generate_batch at the same KV memory: "
+                f"{b['output_token_throughput'] / max(peer['output_token_throughput'], 1e-9):.2f}x the token "
+                f"throughput (its peak running requests are read from its own request lifespans; it reports no "
+                "KV memory)."
+            )
     data = {"setup": setup, "summaries": summaries, "agreement": agreement}
     data["timelines"] = {name: run["samples"] for name, run in runs.items()}
     save_report(args.out, "Serving benchmark over HTTP", "\n".join(lines), data, args)
@@ -263,7 +336,8 @@ def plot(runs: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for name, run in runs.items():
         t = [s["t"] for s in run["samples"]]
-        axes[0].plot(t, [s.get("kv_bytes", 0) / 2**20 for s in run["samples"]], label=name)
+        if any("kv_bytes" in s for s in run["samples"]):  # generate_batch does not report its KV memory
+            axes[0].plot(t, [s.get("kv_bytes", 0) / 2**20 for s in run["samples"]], label=name)
         axes[1].plot(t, [s.get("running", 0) for s in run["samples"]], label=name)
         ttft = sorted(r.ttft for r in run["results"] if r.ok)
         axes[2].plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=name)
@@ -294,6 +368,7 @@ def main() -> None:
     parser.add_argument("--slo-ttft", type=float, default=60.0)
     parser.add_argument("--slo-tpot", type=float, default=0.5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--check-answers", type=int, default=4, help="headline: answers compared off against on")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="8 requests of 512 tokens, 32 new, room for 2")
     parser.add_argument("--out", type=Path, default=RESULTS / "serving_http")
@@ -311,7 +386,7 @@ def main() -> None:
         f"{args.num_prompts} requests of {args.prompt_tokens}-token prompts, {args.max_tokens} greedy tokens each "
         f"(EOS ignored), {rate}, at most {args.max_concurrency or args.num_prompts} in flight, streamed over HTTP"
     )
-    report({"server": summarise(run, args.slo_ttft, args.slo_tpot)}, {"server": run}, args, setup, [])
+    report({"server": summarise(run, args.slo_ttft, args.slo_tpot)}, {"server": run}, args, setup, None)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,142 @@
+"""Evidence for the value predictor: what it keeps, against attention-only scorers, and its cost.
+
+1. Offline, on held-out traces (every 4th trace file, never trained on): within each layer at each
+   observation, keep the top `--keep` share of the sampled entries by each scorer and measure the
+   share of the attention mass of the next `prediction_window` decode steps that they hold. The
+   predictor against accumulated attention (H2O), the latest query (TOVA), the latest observations
+   (SnapKV-like), the dynamic policy's own decayed score, key norm (Knorm) and recency; the future
+   itself (oracle) bounds what any scorer can reach.
+2. Cost: decode steps of 16 x 2k-token sequences, compression off, dynamic at 0.6 by attention,
+   dynamic at 0.6 with the predictor: the compression engine's share of each step.
+
+End-to-end quality (dynamic with and without the predictor, and the baselines) is
+`benchmarks/quality.py`, whose `dynamic` rows use the shipped predictor and `dynamic, attention
+only` rows do not.
+
+    python benchmarks/predictor.py --traces traces           # after make collect-traces / train-predictor
+    python benchmarks/predictor.py --traces traces --skip-cost
+Results: benchmarks/results/predictor.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import save_report  # noqa: E402
+from benchmarks.serving import measure_overhead, overhead_table  # noqa: E402
+from compression.config import CompressionConfig  # noqa: E402
+from compression.predictor.features import FEATURES, unscaled_attention  # noqa: E402
+from compression.predictor.online import load_future_value, predictor_path  # noqa: E402
+from compression.predictor.train import load_traces  # noqa: E402
+from models.loader import load_model  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LATEST = -1  # the window's newest observation
+
+
+def feature(windows: torch.Tensor, name: str, step: int = LATEST) -> torch.Tensor:
+    return windows[:, step, FEATURES.index(name)]
+
+
+def scorers(traces: dict[str, torch.Tensor], predicted: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Higher keeps. Attention features are stored scaled (log1p); sums are taken on the masses."""
+    windows = traces["windows"]
+    latest_window = unscaled_attention(windows[:, :, FEATURES.index("attention_last")]).sum(dim=1)
+    return {
+        "value predictor (LSTM)": predicted,
+        "dynamic's decayed attention (no predictor)": feature(windows, "attention_decayed"),
+        "H2O: accumulated attention": traces["accumulated"],
+        "TOVA: latest query": feature(windows, "attention_last"),
+        "SnapKV-like: the last observations": latest_window,
+        "Knorm: smallest key norm": -feature(windows, "key_norm"),
+        "StreamingLLM: most recent": feature(windows, "position"),
+        "oracle: the future attention itself": traces["targets"],
+    }
+
+
+def captured_share(scores: torch.Tensor, future: torch.Tensor, groups: torch.Tensor, keep: float) -> float:
+    """Mean over groups of the share of future attention mass held by the top `keep` by score."""
+    order = torch.argsort(scores, descending=True, stable=True)
+    order = order[torch.argsort(groups[order], stable=True)]
+    _, counts = torch.unique_consecutive(groups[order], return_counts=True)
+    index = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    starts = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    rank = torch.arange(len(order)) - starts
+    kept = rank < torch.repeat_interleave(torch.ceil(keep * counts), counts)
+    mass = future[order]
+    total = torch.zeros(len(counts)).index_add_(0, index, mass)
+    held = torch.zeros(len(counts)).index_add_(0, index, mass * kept)
+    valid = total > 0
+    return float((held[valid] / total[valid]).mean())
+
+
+def offline(traces: dict[str, torch.Tensor], predicted: torch.Tensor, keep: float) -> dict[str, dict[str, float]]:
+    future = unscaled_attention(traces["targets"])
+    stages = {
+        "all observations": torch.ones_like(traces["at_prefill"]),
+        "end of prefill": traces["at_prefill"],
+        "during decoding": ~traces["at_prefill"],
+    }
+    table = {}
+    for name, scores in scorers(traces, predicted).items():
+        table[name] = {
+            stage: captured_share(scores[mask], future[mask], traces["groups"][mask], keep)
+            for stage, mask in stages.items()
+        }
+    return table
+
+
+def offline_markdown(table: dict, keep: float, samples: int, groups: int) -> str:
+    stages = list(next(iter(table.values())))
+    lines = [
+        f"Held-out traces: {samples} (entry, observation) samples in {groups} groups (one layer at one observation, "
+        f"random entries of it). Share of the next-window attention mass held by the top {keep:.0%} of each group "
+        "by each scorer (mean over groups; higher is better).",
+        "",
+        "| scorer | " + " | ".join(stages) + " |",
+        "| --- |" + " ---: |" * len(stages),
+    ]
+    for name, row in table.items():
+        lines.append(f"| {name} | " + " | ".join(f"{row[s]:.3f}" for s in stages) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--traces", type=Path, default=Path("traces"))
+    parser.add_argument("--predictor", type=Path, default=None, help="default: the shipped weights")
+    parser.add_argument("--model-path", type=Path, default=None)
+    parser.add_argument("--keep", type=float, default=0.4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--overhead-seqs", type=int, default=16)
+    parser.add_argument("--overhead-prompt-tokens", type=int, default=2000)
+    parser.add_argument("--skip-cost", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS / "predictor")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model_path, torch.device("cpu"))
+    path = args.predictor or predictor_path(args.model_path)
+    future_value = load_future_value(path, model.config, torch.device("cpu"), CompressionConfig().score_interval)
+    if future_value is None:
+        raise SystemExit(f"no predictor at {path}: train one first (make train-predictor)")
+    traces = load_traces(args.traces, held_out=True)
+    with torch.inference_mode():
+        predicted = torch.cat([future_value.predictor(w) for w in traces["windows"].split(65536)])
+    table = offline(traces, predicted, args.keep)
+    sections = [offline_markdown(table, args.keep, len(predicted), int(traces["groups"].unique().numel()))]
+    data = {"offline": table, "predictor": str(path), "config": future_value.predictor.config.short_description}
+    if not args.skip_cost:
+        cost = measure_overhead(model, tokenizer, args.overhead_seqs, args.overhead_prompt_tokens, 48, future_value)
+        sections.append(overhead_table(cost, args.overhead_seqs, args.overhead_prompt_tokens, args.threads))
+        data["cost"] = cost
+    save_report(args.out, "Value predictor", "\n\n".join(sections), data, args)
+
+
+if __name__ == "__main__":
+    main()
