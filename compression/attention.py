@@ -34,8 +34,9 @@ class AttentionObserver(Protocol):
     def audit_keys(self, seq_id: int, layer: int) -> torch.Tensor | None:
         """Keys [kv_heads, n, head_dim] this sequence dropped in this layer, or None."""
 
-    def on_recall(self, seq_id: int, recall: torch.Tensor) -> None:
-        """recall [heads, queries]: share of attention mass that fell on held entries."""
+    def on_audit(self, seq_id: int, layer: int, recall: torch.Tensor, dropped_mass: torch.Tensor | None) -> None:
+        """recall [heads, queries]: share of attention mass that fell on held entries; dropped_mass
+        [dropped]: the attention each dropped entry would have received (mean over heads and queries)."""
 
 
 @dataclass
@@ -139,11 +140,14 @@ def _tiered_attention(
         if seg.audit:
             dropped = observer.audit_keys(seg.seq_id, layer)
             if dropped is not None and dropped.shape[1]:
-                lost = (torch.matmul(qg, dropped.transpose(1, 2).to(qg.dtype)).float() * scaling).logsumexp(-1)
+                dropped_scores = torch.matmul(qg, dropped.transpose(1, 2).to(qg.dtype)).float() * scaling
+                lost = dropped_scores.logsumexp(-1)
                 kept = scores.logsumexp(-1)
-                observer.on_recall(seg.seq_id, torch.sigmoid(kept - lost).view(heads, t))
+                # As if the dropped keys were still there: their share of the full softmax.
+                dropped_mass = (dropped_scores - torch.logaddexp(kept, lost).unsqueeze(-1)).exp().mean(dim=(0, 1))
+                observer.on_audit(seg.seq_id, layer, torch.sigmoid(kept - lost).view(heads, t), dropped_mass)
             else:
-                observer.on_recall(seg.seq_id, torch.ones(heads, t))
+                observer.on_audit(seg.seq_id, layer, torch.ones(heads, t), None)
     return out.view(kv_heads, group, t, d).reshape(1, heads, t, d).to(q.dtype)
 
 

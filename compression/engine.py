@@ -2,7 +2,8 @@
 
 It plugs into the serving engine at three points: `prepare()` marks which sequences need their
 attention observed in the coming forward pass (end of prefill, then every `score_interval` decode
-steps) or audited (requests that asked for `compression_metrics`); as the `AttentionObserver` it
+steps) or audited (requests that asked for `compression_metrics`, and all that the predictor
+ranks while its mistakes are logged); as the `AttentionObserver` it
 receives those observations; `after_step()` compresses the sequences that are due (once at the
 end of prefill, then every `compression_interval` decode steps).
 """
@@ -20,7 +21,8 @@ import torch
 from compression.config import CompressionParams
 from compression.kv_store import GROWTH_CHUNK, KVStore
 from compression.policy import plan_tiers
-from compression.predictor.online import FutureValue, PredictionJob
+from compression.predictor.misses import Dropped
+from compression.predictor.online import Forecast, FutureValue, PredictionJob
 from compression.scoring import LayerEntries, ScorePolicy, make_policy
 
 
@@ -59,6 +61,7 @@ class SequenceState:
     recall_sum: float = 0.0
     recall_count: int = 0
     audit: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> dropped keys
+    misses: dict[int, Dropped] = field(default_factory=dict)  # layer -> dropped entries the predictor ranked
     confidences: list[float] = field(default_factory=list)  # top-token probability of each generated token
 
     def reset_cache_state(self) -> None:
@@ -66,6 +69,7 @@ class SequenceState:
         self.prefilled = False
         self.steps_since_compression = 0
         self.audit.clear()
+        self.misses.clear()
 
 
 class CompressionEngine:
@@ -113,6 +117,8 @@ class CompressionEngine:
         state = self.states.pop(seq_id, None)
         if state is not None:
             self.audit_bytes -= sum(k.nbytes for k in state.audit.values())
+            if state.misses:
+                self.future_value.misses.save(f"{time.time_ns()}-{seq_id}", list(state.misses.values()))
         return metrics
 
     def metrics(self, seq_id: int, num_tokens: int, cached_tokens: int = 0) -> CompressionMetrics | None:
@@ -160,7 +166,7 @@ class CompressionEngine:
                     chunk.observe = min(window, len(chunk.token_ids))
             elif decode and state.policy.uses_attention and state.decode_steps % state.params.score_interval == 0:
                 chunk.observe = 1
-            chunk.audit = decode and state.params.stats
+            chunk.audit = decode and self._audits(state)
 
     def on_attention(self, seq_id: int, layer: int, rows: torch.Tensor) -> None:
         kv = self.store.layer(seq_id, layer)
@@ -177,10 +183,12 @@ class CompressionEngine:
     def audit_keys(self, seq_id: int, layer: int) -> torch.Tensor | None:
         return self.states[seq_id].audit.get(layer)
 
-    def on_recall(self, seq_id: int, recall: torch.Tensor) -> None:
+    def on_audit(self, seq_id: int, layer: int, recall: torch.Tensor, dropped_mass: torch.Tensor | None) -> None:
         state = self.states[seq_id]
         state.recall_sum += float(recall.sum())
         state.recall_count += recall.numel()
+        if dropped_mass is not None and layer in state.misses:
+            self.future_value.misses.attended(state.misses[layer], dropped_mass, state.decode_steps)
 
     def after_step(self, sequences: list[TrackedSequence], sampled_confidence: dict[int, float]) -> float:
         """Compress every due sequence; return the seconds spent."""
@@ -256,7 +264,15 @@ class CompressionEngine:
     def _uses_predictor(self, state: SequenceState) -> bool:
         return self.future_value is not None and state.params.value_predictor and state.policy.name == "dynamic"
 
-    def _predict(self, due: list[tuple[TrackedSequence, SequenceState]]) -> dict[int, list[torch.Tensor]]:
+    def _logs_misses(self, state: SequenceState) -> bool:
+        return self._uses_predictor(state) and self.future_value.misses is not None
+
+    def _audits(self, state: SequenceState) -> bool:
+        """Keep the dropped keys and watch the attention they would get: for compression_metrics,
+        and for the predictor's error samples."""
+        return state.params.stats or self._logs_misses(state)
+
+    def _predict(self, due: list[tuple[TrackedSequence, SequenceState]]) -> dict[int, list[Forecast]]:
         """Predicted future attention of every entry of these sequences, in one batch."""
         if not due:
             return {}
@@ -267,7 +283,7 @@ class CompressionEngine:
         return self.future_value.predict(self.store, jobs)
 
     def compress(
-        self, seq_id: int, num_tokens: int, state: SequenceState, predicted: list[torch.Tensor] | None = None
+        self, seq_id: int, num_tokens: int, state: SequenceState, predicted: list[Forecast] | None = None
     ) -> None:
         """Re-tier one sequence; `predicted` (per layer) is the predictor's output, when already computed."""
         params = state.params
@@ -294,7 +310,7 @@ class CompressionEngine:
                 positions=positions,
                 attention=kv.attention[:n],
                 token_confidence=confidence[positions],
-                predicted=predicted[layer] if predicted is not None else None,
+                predicted=predicted[layer].value if predicted is not None else None,
                 position=num_tokens - 1,
                 layer=layer,
                 seed=params.seed,
@@ -312,8 +328,11 @@ class CompressionEngine:
             )
             if plan.dropped.numel() == 0 and plan.keep_key_only.numel() == kv.num_key_only:
                 continue
-            if params.stats and plan.dropped.numel():
+            if self._audits(state) and plan.dropped.numel():
                 self._audit(state, layer, store.view(seq_id, layer).keys.index_select(1, plan.dropped))
+                if self._logs_misses(state):  # in the audit's order, so the audit's masses line up
+                    known = state.misses.get(layer) or Dropped.none(predicted[layer].windows)
+                    state.misses[layer] = known.add(predicted[layer].windows[plan.dropped], state.decode_steps)
             store.retier(seq_id, layer, plan.keep_full, plan.keep_key_only)
 
     def _token_confidence(self, state: SequenceState, num_tokens: int) -> torch.Tensor:

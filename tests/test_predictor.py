@@ -165,3 +165,44 @@ def test_without_weights_the_server_says_it_scores_by_attention_only(tmp_path, c
     with caplog.at_level("WARNING"):
         assert load_future_value(tmp_path / "none.safetensors", llama.config, torch.device("cpu"), 4) is None
     assert "observed attention only" in caplog.text and "make train-predictor" in caplog.text
+
+
+@pytest.mark.parametrize(("min_attention", "logged"), [(0.0, "every drop"), (2.0, "none")])
+def test_dropped_entries_that_draw_attention_are_logged_for_training(tokenizer, tmp_path, min_attention, logged):
+    from app.engine import EngineConfig, LLMEngine, run_to_completion
+    from compression.config import CompressionConfig, resolve
+    from compression.predictor.misses import MissLog
+    from compression.predictor.online import FutureValue
+    from compression.predictor.train import load_error_samples
+    from tests.helpers import greedy
+
+    model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    settings = CompressionConfig(sink_tokens=4, recent_window=16, compression_interval=8, score_interval=2)
+    misses = MissLog(tmp_path / "errors", prediction_window=16, min_attention=min_attention)
+    engine = LLMEngine(
+        model, tokenizer, EngineConfig(max_cache_bytes=2**30), settings, FutureValue(NewestFirst(), 2, misses)
+    )
+    ids = torch.randint(3, len(tokenizer), (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    # No compression_stats asked: logging mistakes audits the request anyway.
+    params = resolve(settings, {"policy": "dynamic", "compression_rate": 0.8, "kv_cache_dtype": "auto"}, True, False)
+    engine.add_request("r", ids, greedy(40, ignore_eos=True), params)
+    dropped = {}
+
+    def count_drops(seq_id, num_tokens, state, *args, _compress=engine.compression.compress):
+        _compress(seq_id, num_tokens, state, *args)
+        dropped.update({layer: len(d.future) for layer, d in state.misses.items()})
+
+    engine.compression.compress = count_drops
+    run_to_completion(engine)
+    assert sum(dropped.values()) > 0 and engine.compression.audit_bytes == 0 and engine.store.used_bytes == 0
+    files = list((tmp_path / "errors").glob("*.safetensors"))
+    if logged == "none":
+        assert files == [] and misses.written == 0
+        return
+    samples = load_error_samples(tmp_path / "errors")
+    assert len(files) == 1 and len(samples["targets"]) == sum(dropped.values()) == misses.written
+    assert samples["windows"].shape[1:] == (2, len(NewestFirst().config.features))
+    assert (samples["targets"] >= 0).all() and (samples["targets"] > 0).any()  # the audit saw attention
+    config = PredictorConfig.load(**{**SMALL, "observation_steps": 2, "max_epochs": 2})
+    predictor, _ = train(samples["windows"], samples["targets"], config, progress=False)
+    assert predictor(samples["windows"]).shape == samples["targets"].shape

@@ -16,12 +16,21 @@ import torch
 
 from compression.kv_store import KVStore
 from compression.predictor.features import unscaled_attention, window_features
+from compression.predictor.misses import MissLog
 from compression.predictor.model import ValuePredictor, load_predictor, model_fingerprint
 from models.default_model import MODEL_NAME
 
 log = logging.getLogger(__name__)
 
 PREDICTOR_DIR = Path(__file__).resolve().parents[2] / "models" / "predictor"
+
+
+@dataclass
+class Forecast:
+    """For the held entries of one layer: predicted future attention, and the features it read."""
+
+    value: torch.Tensor  # [n] attention mass over the coming prediction_window steps
+    windows: torch.Tensor  # [n, T, F]
 
 
 @dataclass
@@ -32,16 +41,17 @@ class PredictionJob:
 
 
 class FutureValue:
-    def __init__(self, predictor: ValuePredictor, score_interval: int) -> None:
+    def __init__(self, predictor: ValuePredictor, score_interval: int, misses: MissLog | None = None) -> None:
         self.predictor = predictor
         self.score_interval = score_interval  # decode steps between the observations an entry keeps
+        self.misses = misses  # where dropped entries that drew attention are logged, if anywhere
 
     @property
     def history_steps(self) -> int:
         return self.predictor.config.observation_steps
 
     @torch.inference_mode()
-    def predict(self, store: KVStore, jobs: list[PredictionJob]) -> dict[int, list[torch.Tensor]]:
+    def predict(self, store: KVStore, jobs: list[PredictionJob]) -> dict[int, list[Forecast]]:
         """Per sequence, per layer: the attention mass each held entry is predicted to receive."""
         windows, sizes = [], []
         offsets = self.score_interval * torch.arange(self.history_steps - 1, -1, -1, device=store.device)
@@ -67,8 +77,9 @@ class FutureValue:
         if not windows:
             return {}
         predicted = unscaled_attention(self.predictor(torch.cat(windows)).float()).split(sizes)
+        forecasts = [Forecast(value, window) for value, window in zip(predicted, windows, strict=True)]
         per_job = store.num_layers
-        return {job.seq_id: list(predicted[i * per_job : (i + 1) * per_job]) for i, job in enumerate(jobs)}
+        return {job.seq_id: forecasts[i * per_job : (i + 1) * per_job] for i, job in enumerate(jobs)}
 
 
 def predictor_path(model_path: Path | None) -> Path:
@@ -76,7 +87,9 @@ def predictor_path(model_path: Path | None) -> Path:
     return PREDICTOR_DIR / f"{model_path.name if model_path else MODEL_NAME}.safetensors"
 
 
-def load_future_value(path: Path, model_config, device: torch.device, score_interval: int) -> FutureValue | None:
+def load_future_value(
+    path: Path, model_config, device: torch.device, score_interval: int, misses: MissLog | None = None
+) -> FutureValue | None:
     """The predictor saved at `path` for this model, or None with one log line saying that the
     dynamic policy scores by observed attention only."""
     predictor = load_predictor(path, model_fingerprint(model_config))
@@ -88,4 +101,4 @@ def load_future_value(path: Path, model_config, device: torch.device, score_inte
         )
         return None
     log.info("value predictor %s loaded (%s)", path, predictor.config.short_description)
-    return FutureValue(predictor.to(device), score_interval)
+    return FutureValue(predictor.to(device), score_interval, misses)

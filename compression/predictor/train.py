@@ -54,6 +54,14 @@ def load_traces(folder: Path, held_out: bool = False) -> dict[str, torch.Tensor]
     return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
 
 
+def load_error_samples(folder: Path) -> dict[str, torch.Tensor]:
+    """The mistakes a server logged (`--predictor-error-samples`): windows and targets, as in traces."""
+    parts = [load_file(str(f)) for f in sorted(folder.glob("*.safetensors"))]
+    if not parts:
+        raise FileNotFoundError(f"no error samples (*.safetensors) in {folder}")
+    return {name: torch.cat([p[name] for p in parts]) for name in ("windows", "targets")}
+
+
 def train(
     windows: torch.Tensor, targets: torch.Tensor, config: PredictorConfig, seed: int = 0, progress: bool = True
 ) -> tuple[ValuePredictor, History]:
@@ -104,6 +112,9 @@ def main() -> None:
     parser.add_argument("--model-path", type=Path, default=None, help="the traces' model (default: embedded)")
     parser.add_argument("--config", type=Path, default=None)
     parser.add_argument("--profile", default=None, help="a named profile of the config (e.g. small)")
+    parser.add_argument(
+        "--error-samples", type=Path, default=None, help="also train on the server's logged mistakes (a folder)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -115,8 +126,13 @@ def main() -> None:
     fingerprint = model_fingerprint(AutoConfig.from_pretrained(args.model_path or default_model_path()))
     config = PredictorConfig.load(args.config, args.profile)
     traces = load_traces(args.traces)
-    log.info("%d training samples (held out: every %dth trace file)", len(traces["targets"]), HELD_OUT_EVERY)
-    predictor, history = train(traces["windows"], traces["targets"], config)
+    windows, targets = traces["windows"], traces["targets"]
+    log.info("%d training samples (held out: every %dth trace file)", len(targets), HELD_OUT_EVERY)
+    if args.error_samples is not None:
+        errors = load_error_samples(args.error_samples)
+        windows, targets = torch.cat((windows, errors["windows"])), torch.cat((targets, errors["targets"]))
+        log.info("%d error samples from %s", len(errors["targets"]), args.error_samples)
+    predictor, history = train(windows, targets, config)
     save_predictor(predictor, args.out, fingerprint, {"best_validation_loss": min(history.validation_loss)})
     best = min(history.validation_loss)
     log.info("saved %s (best epoch %d, validation loss %.4f)", args.out, history.best_epoch, best)
