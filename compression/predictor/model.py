@@ -37,6 +37,7 @@ class PredictorConfig:
     max_epochs: int = 30
     patience: int = 3
     validation_share: float = 0.2
+    prefill_weight: float = 1.0
 
     @classmethod
     def load(cls, path: Path | None = None, profile: str | None = None, **overrides) -> PredictorConfig:

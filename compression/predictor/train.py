@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from torch import nn
 from tqdm import tqdm
 
 from compression.predictor.model import PredictorConfig, ValuePredictor, model_fingerprint, save_predictor
@@ -54,6 +53,17 @@ def load_traces(folder: Path, held_out: bool = False) -> dict[str, torch.Tensor]
     return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
 
 
+def weighted_error(predicted: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return (weights * (predicted - targets) ** 2).sum() / weights.sum()
+
+
+def sample_weights(traces: dict[str, torch.Tensor], config: PredictorConfig) -> torch.Tensor:
+    """End-of-prefill samples are few (one observation per sequence) but decide the most: weigh them up."""
+    weights = torch.ones_like(traces["targets"])
+    weights[traces["at_prefill"]] = config.prefill_weight
+    return weights
+
+
 def load_error_samples(folder: Path) -> dict[str, torch.Tensor]:
     """The mistakes a server logged (`--predictor-error-samples`): windows and targets, as in traces."""
     parts = [load_file(str(f)) for f in sorted(folder.glob("*.safetensors"))]
@@ -63,9 +73,15 @@ def load_error_samples(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def train(
-    windows: torch.Tensor, targets: torch.Tensor, config: PredictorConfig, seed: int = 0, progress: bool = True
+    windows: torch.Tensor,
+    targets: torch.Tensor,
+    config: PredictorConfig,
+    seed: int = 0,
+    progress: bool = True,
+    weights: torch.Tensor | None = None,
 ) -> tuple[ValuePredictor, History]:
-    """Fit a predictor; returns the weights of the best validation epoch."""
+    """Fit a predictor (squared error, each sample by its weight); returns the best validation epoch's."""
+    weights = torch.ones_like(targets) if weights is None else weights
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     order = torch.randperm(len(targets), generator=generator)
@@ -73,7 +89,6 @@ def train(
     valid, fit = order[:split], order[split:]
     predictor = ValuePredictor(config)
     optimiser = torch.optim.Adam(predictor.parameters(), lr=config.learning_rate)
-    loss_fn = nn.MSELoss()
     history = History([], [], 0)
     best, best_state, stale = float("inf"), None, 0
     epochs = tqdm(range(config.max_epochs), desc="training predictor", unit="epoch", disable=not progress)
@@ -84,14 +99,14 @@ def train(
         for start in range(0, len(shuffled), config.batch_size):
             batch = shuffled[start : start + config.batch_size]
             optimiser.zero_grad()
-            loss = loss_fn(predictor(windows[batch]), targets[batch])
+            loss = weighted_error(predictor(windows[batch]), targets[batch], weights[batch])
             loss.backward()
             optimiser.step()
             total += loss.item() * len(batch)
         history.train_loss.append(total / len(fit))
         predictor.eval()
         with torch.no_grad():
-            validation = float(loss_fn(predictor(windows[valid]), targets[valid]))
+            validation = float(weighted_error(predictor(windows[valid]), targets[valid], weights[valid]))
         history.validation_loss.append(validation)
         epochs.set_postfix(train=f"{history.train_loss[-1]:.4f}", valid=f"{validation:.4f}")
         if validation < best:
@@ -126,13 +141,14 @@ def main() -> None:
     fingerprint = model_fingerprint(AutoConfig.from_pretrained(args.model_path or default_model_path()))
     config = PredictorConfig.load(args.config, args.profile)
     traces = load_traces(args.traces)
-    windows, targets = traces["windows"], traces["targets"]
+    windows, targets, weights = traces["windows"], traces["targets"], sample_weights(traces, config)
     log.info("%d training samples (held out: every %dth trace file)", len(targets), HELD_OUT_EVERY)
     if args.error_samples is not None:
         errors = load_error_samples(args.error_samples)
         windows, targets = torch.cat((windows, errors["windows"])), torch.cat((targets, errors["targets"]))
+        weights = torch.cat((weights, torch.ones_like(errors["targets"])))
         log.info("%d error samples from %s", len(errors["targets"]), args.error_samples)
-    predictor, history = train(windows, targets, config)
+    predictor, history = train(windows, targets, config, weights=weights)
     save_predictor(predictor, args.out, fingerprint, {"best_validation_loss": min(history.validation_loss)})
     best = min(history.validation_loss)
     log.info("saved %s (best epoch %d, validation loss %.4f)", args.out, history.best_epoch, best)
