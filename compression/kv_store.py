@@ -15,7 +15,7 @@ bytes back. Layers of one sequence may hold different tokens; each keeps its ent
 
 The account counts every tensor that holds keys or values (capacity, not just the filled part),
 their quantisation scales included. Positions and observed attention (8 bytes a token and layer,
-not KV; 2 more per kept observation when the value predictor reads recent observations) are
+not KV; with the value predictor, 2 more per kept observation and 2 for the key norm) are
 bookkeeping and are not counted.
 """
 
@@ -94,7 +94,9 @@ class LayerKV:
     value_params: torch.Tensor | None
     positions: torch.Tensor  # [capacity] token positions, in key order
     attention: torch.Tensor  # [capacity] float32 attention observed by the scoring policy
-    observed: torch.Tensor | None = None  # [history_steps, capacity] fp16 latest observations, oldest first
+    # For the value predictor only: the latest observations (oldest first) and each key's norm.
+    observed: torch.Tensor | None = None  # [history_steps, capacity] fp16
+    key_norm: torch.Tensor | None = None  # [capacity] fp16, mean over heads, taken before quantisation
     ko_values: Quantized | None = None
     length: int = 0
     num_key_only: int = 0
@@ -300,6 +302,7 @@ class KVStore:
         layer.attention[start : start + n] = 0.0
         if layer.observed is not None:
             layer.observed[:, start : start + n] = 0.0
+            layer.key_norm[start : start + n] = keys.float().norm(dim=-1).mean(dim=0)
         layer.length += n
 
     def view(self, seq_id: int, layer_idx: int) -> LayerView:
@@ -403,6 +406,7 @@ class KVStore:
         rebuilt.attention[:n] = layer.attention.index_select(0, order)
         if layer.observed is not None:
             rebuilt.observed[:, :n] = layer.observed.index_select(1, order)
+            rebuilt.key_norm[:n] = layer.key_norm.index_select(0, order)
         full_slots = keep_full - layer.num_key_only  # FULL entry i has its value at slot i - num_key_only
         rebuilt.values[:, :n_full] = layer.values.index_select(1, full_slots)
         if layer.value_params is not None:
@@ -443,6 +447,7 @@ class KVStore:
             observed=torch.zeros(self.history_steps, key_capacity, dtype=torch.float16, device=self.device)
             if self.history_steps
             else None,
+            key_norm=torch.zeros(key_capacity, dtype=torch.float16, device=self.device) if self.history_steps else None,
         )
 
     def _resize(self, codec: Codec, layer: LayerKV, key_capacity: int, value_capacity: int) -> None:
@@ -457,10 +462,12 @@ class KVStore:
         grown.attention[:n] = layer.attention[:n]
         if layer.observed is not None:
             grown.observed[:, :n] = layer.observed[:, :n]
+            grown.key_norm[:n] = layer.key_norm[:n]
         before = layer.nbytes
         layer.keys, layer.key_params = grown.keys, grown.key_params
         layer.values, layer.value_params = grown.values, grown.value_params
-        layer.positions, layer.attention, layer.observed = grown.positions, grown.attention, grown.observed
+        layer.positions, layer.attention = grown.positions, grown.attention
+        layer.observed, layer.key_norm = grown.observed, grown.key_norm
         self.used_bytes += layer.nbytes - before
 
 

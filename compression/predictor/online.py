@@ -1,9 +1,10 @@
 """The predictor at serving time: predicted future attention for every held entry, in one batch.
 
 Each entry of the live cache keeps its last `observation_steps` observations (the KV store's
-`observed`, filled by the compression engine); from those, the entry's decayed score, position,
-token confidence and key norm, the same features as in the traces are built for every layer of
-every sequence due for compression, and the LSTM runs once over all of them.
+`observed`, filled by the compression engine) and its key norm (taken when written); from those,
+the entry's decayed score, position and token confidence, the same features as in the traces are
+built for every layer of every sequence due for compression, and the LSTM runs once over all of
+them.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class FutureValue:
                         positions,
                         queries,
                         job.token_confidence[positions],
-                        store.view(job.seq_id, layer).keys.float().norm(dim=-1).mean(dim=0),
+                        kv.key_norm[:n],
                         layer,
                         store.num_layers,
                     )
