@@ -34,7 +34,6 @@ from compression.predictor.online import FutureValue, load_future_value, predict
 from models.loader import load_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-OVERHEAD_WITH_PREDICTOR = "dynamic 0.6 + value predictor"
 
 
 @dataclass
@@ -113,19 +112,25 @@ def run_sequential(model, tokenizer, prompts, max_new, _) -> tuple[float, list[f
 
 
 def measure_overhead(
-    model, tokenizer, num_seqs: int, prompt_tokens: int, max_new: int, future_value: FutureValue | None = None
+    model,
+    tokenizer,
+    num_seqs: int,
+    prompt_tokens: int,
+    max_new: int,
+    future_value: FutureValue | None = None,
+    rate: float = 0.6,
 ) -> dict:
-    """Decode steps of `num_seqs` sequences of `prompt_tokens`: compression off, dynamic at 0.6 by
-    observed attention and, given a value predictor, dynamic at 0.6 with it.
+    """Decode steps of `num_seqs` sequences of `prompt_tokens`: compression off, dynamic at `rate` by
+    observed attention and, given a value predictor, dynamic at `rate` with it.
 
     Reports the median step time of each and, with compression on, the share of each step spent in
     the compression engine (scoring, prediction, tiering, compaction), i.e. not counting the
     attention's own work on the int8/KEY_ONLY tiers, which shows in the step-time ratio.
     """
     prompts = [text_of_tokens(tokenizer, prompt_tokens, offset=11 * i) for i in range(num_seqs)]
-    modes = {"compression off": ("none", None), "dynamic 0.6": ("dynamic", None)}
+    modes = {"compression off": ("none", None), f"dynamic {rate}": ("dynamic", None)}
     if future_value is not None:
-        modes[OVERHEAD_WITH_PREDICTOR] = ("dynamic", future_value)
+        modes[f"dynamic {rate} + value predictor"] = ("dynamic", future_value)
     result = {}
     for label, (policy, predictor) in modes.items():
         config = CompressionConfig()
@@ -136,7 +141,7 @@ def measure_overhead(
             config,
             predictor,
         )
-        params = resolve(config, {"policy": policy, "compression_rate": 0.6}, True, False)
+        params = resolve(config, {"policy": policy, "compression_rate": rate}, True, False)
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True), params)
         steps, shares = [], []
@@ -234,7 +239,7 @@ def main() -> None:
 def overhead_table(overhead: dict, seqs: int, prompt_tokens: int, threads: int) -> str:
     lines = [
         f"Compression overhead: {seqs} sequences of {prompt_tokens} prompt tokens decoding together, {threads} "
-        "CPU threads; dynamic at rate 0.6 with int8 storage.",
+        "CPU threads; dynamic with int8 storage.",
         "",
         "| mode | median decode step | step time vs off | compression engine share of the step (mean / max) |",
         "| --- | ---: | ---: | ---: |",

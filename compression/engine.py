@@ -272,35 +272,31 @@ class CompressionEngine:
         and for the predictor's error samples."""
         return state.params.stats or self._logs_misses(state)
 
-    def _predict(self, due: list[tuple[TrackedSequence, SequenceState]]) -> dict[int, list[Forecast]]:
-        """Predicted future attention of every entry of these sequences, in one batch."""
-        if not due:
-            return {}
-        jobs = [
-            PredictionJob(seq.seq_id, seq.num_computed, self._token_confidence(state, seq.num_computed))
-            for seq, state in due
-        ]
-        return self.future_value.predict(self.store, jobs)
+    def _predict(self, due: list[tuple[TrackedSequence, SequenceState]]) -> dict[int, dict[int, Forecast]]:
+        """Predicted future attention of every entry these sequences' compressions can change, in one batch."""
+        jobs = []
+        for seq, state in due:
+            layers = self._over_budget(seq.seq_id, *self._budget(seq.seq_id, seq.num_computed, state))
+            if layers:
+                confidence = self._token_confidence(state, seq.num_computed)
+                jobs.append(PredictionJob(seq.seq_id, seq.num_computed, confidence, layers))
+        return self.future_value.predict(self.store, jobs) if jobs else {}
 
     def compress(
-        self, seq_id: int, num_tokens: int, state: SequenceState, predicted: list[Forecast] | None = None
+        self, seq_id: int, num_tokens: int, state: SequenceState, predicted: dict[int, Forecast] | None = None
     ) -> None:
-        """Re-tier one sequence; `predicted` (per layer) is the predictor's output, when already computed."""
+        """Re-tier one sequence; `predicted` (by layer) is the predictor's output, when already computed."""
         params = state.params
         store = self.store
-        rate = self.target_rate(state)
-        if rate <= 0.0:
+        budget, full_bytes, key_only_bytes = self._budget(seq_id, num_tokens, state)
+        layers = self._over_budget(seq_id, budget, full_bytes, key_only_bytes)
+        if not layers:
             return  # nothing to remove: attention is still observed (traces, scores for later)
         if predicted is None and self._uses_predictor(state):
-            predicted = self.future_value.predict(
-                store, [PredictionJob(seq_id, num_tokens, self._token_confidence(state, num_tokens))]
-            )[seq_id]
-        per_token = store.model_token_bytes / store.num_layers
-        full_bytes, key_only_bytes = store.entry_bytes(store.codec_of(seq_id))
-        # Buffers are sized in chunks: leave room for that rounding so the held bytes meet the target.
-        budget = (1.0 - rate) * num_tokens * per_token - GROWTH_CHUNK * full_bytes
+            job = PredictionJob(seq_id, num_tokens, self._token_confidence(state, num_tokens), layers)
+            predicted = self.future_value.predict(store, [job])[seq_id]
         confidence = self._token_confidence(state, num_tokens)
-        for layer in range(store.num_layers):
+        for layer in layers:
             kv = store.layer(seq_id, layer)
             n = kv.length
             positions = kv.positions[:n]
@@ -334,6 +330,22 @@ class CompressionEngine:
                     known = state.misses.get(layer) or Dropped.none(predicted[layer].windows)
                     state.misses[layer] = known.add(predicted[layer].windows[plan.dropped], state.decode_steps)
             store.retier(seq_id, layer, plan.keep_full, plan.keep_key_only)
+
+    def _budget(self, seq_id: int, num_tokens: int, state: SequenceState) -> tuple[float, int, int]:
+        """Bytes each layer may hold after this compression, and the bytes of a FULL and a KEY_ONLY entry."""
+        store = self.store
+        rate = self.target_rate(state)
+        full_bytes, key_only_bytes = store.entry_bytes(store.codec_of(seq_id))
+        if rate <= 0.0:
+            return float("inf"), full_bytes, key_only_bytes
+        per_token = store.model_token_bytes / store.num_layers
+        # Buffers are sized in chunks: leave room for that rounding so the held bytes meet the target.
+        return (1.0 - rate) * num_tokens * per_token - GROWTH_CHUNK * full_bytes, full_bytes, key_only_bytes
+
+    def _over_budget(self, seq_id: int, budget: float, full_bytes: int, key_only_bytes: int) -> list[int]:
+        """The layers holding more than the budget: the only ones a compression changes (and scores)."""
+        held = [self.store.layer(seq_id, layer) for layer in range(self.store.num_layers)]
+        return [i for i, kv in enumerate(held) if kv.num_full * full_bytes + kv.num_key_only * key_only_bytes > budget]
 
     def _token_confidence(self, state: SequenceState, num_tokens: int) -> torch.Tensor:
         confidence = torch.ones(num_tokens + 1, device=self.store.device)

@@ -39,6 +39,7 @@ class PredictionJob:
     seq_id: int
     num_tokens: int  # tokens whose KV is computed; the newest query sits at num_tokens - 1
     token_confidence: torch.Tensor  # [num_tokens + 1] by position
+    layers: list[int]  # the layers to predict
 
 
 class FutureValue:
@@ -52,13 +53,13 @@ class FutureValue:
         return self.predictor.config.observation_steps
 
     @torch.inference_mode()
-    def predict(self, store: KVStore, jobs: list[PredictionJob]) -> dict[int, list[Forecast]]:
-        """Per sequence, per layer: the attention mass each held entry is predicted to receive."""
+    def predict(self, store: KVStore, jobs: list[PredictionJob]) -> dict[int, dict[int, Forecast]]:
+        """Per sequence, by layer: the attention mass each held entry is predicted to receive."""
         windows, sizes = [], []
         offsets = self.score_interval * torch.arange(self.history_steps - 1, -1, -1, device=store.device)
         for job in jobs:
             queries = job.num_tokens - 1 - offsets
-            for layer in range(store.num_layers):
+            for layer in job.layers:
                 kv = store.layer(job.seq_id, layer)
                 n = kv.length
                 positions = kv.positions[:n]
@@ -78,9 +79,8 @@ class FutureValue:
         if not windows:
             return {}
         predicted = unscaled_attention(self.predictor(torch.cat(windows)).float()).split(sizes)
-        forecasts = [Forecast(value, window) for value, window in zip(predicted, windows, strict=True)]
-        per_job = store.num_layers
-        return {job.seq_id: forecasts[i * per_job : (i + 1) * per_job] for i, job in enumerate(jobs)}
+        forecasts = iter(Forecast(value, window) for value, window in zip(predicted, windows, strict=True))
+        return {job.seq_id: {layer: next(forecasts) for layer in job.layers} for job in jobs}
 
 
 def predictor_path(model_path: Path | None) -> Path:
