@@ -134,7 +134,9 @@ def main() -> None:
     sections = [offline_markdown(table, args.keep, len(predicted), int(traces["groups"].unique().numel()))]
     data = {"offline": table, "predictor": str(path), "config": future_value.predictor.config.short_description}
     if not args.skip_cost:
-        cost = measure_overhead(model, tokenizer, args.overhead_seqs, args.overhead_prompt_tokens, 48, future_value)
+        cost = measure_overhead(
+            model, tokenizer, args.overhead_seqs, args.overhead_prompt_tokens, 48, future_value, args.cost_rate
+        )
         sections.append(overhead_table(cost, args.overhead_seqs, args.overhead_prompt_tokens, args.threads))
         data["cost"] = cost
     save_report(args.out, "Value predictor", "\n\n".join(sections), data, args)
