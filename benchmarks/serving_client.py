@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -115,10 +116,13 @@ async def run_load(url: str, bodies: list[dict], rate: float, concurrency: int |
     stop = asyncio.Event()
     async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0)) as client:
         poller = asyncio.create_task(poll_metrics(client, url, samples, stop))
+        bar = tqdm(total=len(bodies), desc="requests", unit="request")
 
         async def limited(body: dict) -> RequestResult:
             async with limit:
-                return await one_request(client, url, body)
+                result = await one_request(client, url, body)
+            bar.update(1)
+            return result
 
         started = time.perf_counter()
         tasks = []
@@ -128,6 +132,7 @@ async def run_load(url: str, bodies: list[dict], rate: float, concurrency: int |
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - started
+        bar.close()
         stop.set()
         await poller
     return {"results": results, "wall": wall, "samples": samples}
