@@ -213,7 +213,11 @@ def run_generate_batch(bodies: list[dict], kv_bytes: float, threads: int) -> dic
     started = time.perf_counter()
     with torch.inference_mode():
         outputs = model.generate_batch(
-            prompts, generation_config=generation, continuous_batching_config=batching, record_timestamps=True
+            prompts,
+            generation_config=generation,
+            continuous_batching_config=batching,
+            record_timestamps=True,
+            progress_bar=True,
         )
     wall = time.perf_counter() - started
     results = []
