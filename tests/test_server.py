@@ -382,11 +382,19 @@ def test_sigterm_refuses_new_requests_and_lets_running_ones_finish(default_path)
 
 def test_a_burst_is_bounded_by_the_queue_and_never_exceeds_the_kv_budget(default_path):
     srv = LiveServer(
-        "--model-path", str(default_path), "--max-cache-size", "24", "--max-num-seqs", "4", "--max-queue-size", "4"
+        "--model-path", str(default_path), "--max-cache-size", "32", "--max-num-seqs", "4", "--max-queue-size", "4"
     )
     try:
         prompt = " ".join(f"Line {i} of a long document about boxes." for i in range(40))
-        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0.7, "compression": {"enabled": False}}
+        # Long enough (EOS ignored) that the queue cannot drain while a busy server is still accepting
+        # the burst; the budget holds one such request at a time.
+        body = {
+            "prompt": prompt,
+            "max_tokens": 96,
+            "temperature": 0.7,
+            "ignore_eos": True,
+            "compression": {"enabled": False},
+        }
 
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=300) as client:
