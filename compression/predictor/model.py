@@ -101,6 +101,7 @@ def save_predictor(predictor: ValuePredictor, path: Path, fingerprint: str, extr
     }
     state = {k: v.detach().contiguous() for k, v in predictor.state_dict().items()}
     save_file(state, str(path), metadata=metadata)
+    path.chmod(0o644)  # safetensors writes 0600; servers often run as another user
 
 
 def load_predictor(path: Path, fingerprint: str) -> ValuePredictor | None:
