@@ -132,7 +132,7 @@ def main() -> None:
         predicted = torch.cat([future_value.predictor(w) for w in traces["windows"].split(65536)])
     table = offline(traces, predicted, args.keep)
     sections = [offline_markdown(table, args.keep, len(predicted), int(traces["groups"].unique().numel()))]
-    data = {"offline": table, "predictor": str(path), "config": future_value.predictor.config.short_description}
+    data = {"offline": table, "predictor": path.name, "config": future_value.predictor.config.short_description}
     if not args.skip_cost:
         cost = measure_overhead(
             model, tokenizer, args.overhead_seqs, args.overhead_prompt_tokens, 48, future_value, args.cost_rate
