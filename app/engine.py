@@ -23,6 +23,7 @@ from compression.engine import CompressionEngine, CompressionMetrics
 from compression.kv_store import KVStore
 from compression.predictor.online import FutureValue
 from compression.prefix_cache import PrefixCache
+from models.loader import KVShape
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +80,11 @@ class LLMEngine:
         self.config = config
         self.compression_config = compression or CompressionConfig()
         cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = KVShape.of(cfg)
         self.store = KVStore(
-            num_layers=cfg.num_hidden_layers,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-            head_dim=head_dim,
+            num_layers=shape.num_layers,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
             max_bytes=config.max_cache_bytes,
             dtype=model.dtype,
             device=next(model.parameters()).device,

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import save_report  # noqa: E402
 from load_tests.run import served  # noqa: E402
+from models.loader import KVShape  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GENERATE_BATCH = "transformers generate_batch"
@@ -243,8 +244,8 @@ def run_generate_batch(bodies: list[dict], kv_bytes: float, threads: int) -> dic
 
 def token_bytes(config) -> int:
     """KV bytes of one token over all layers, at fp32 (the CPU default)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
+    shape = KVShape.of(config)
+    return shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * 4
 
 
 def headline(args) -> None:

@@ -28,6 +28,7 @@ from compression.attention import ATTENTION_NAME, PackedBatch, Segment
 from compression.config import CompressionConfig, parse_size, resolve
 from compression.engine import CompressionEngine, CompressionMetrics
 from compression.kv_store import KVStore
+from models.loader import KVShape
 
 SEQ_ID = 0
 
@@ -142,11 +143,11 @@ class DynamicKVCompressor(Cache):
             if device.type == "cuda"
             else psutil.virtual_memory().total
         )
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = KVShape.of(cfg)
         self.store = KVStore(
-            num_layers=cfg.num_hidden_layers,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-            head_dim=head_dim,
+            num_layers=shape.num_layers,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
             max_bytes=parse_size(self.max_cache_size, total),
             dtype=model.dtype,
             device=device,

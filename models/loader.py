@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,6 +16,24 @@ log = logging.getLogger(__name__)
 # Families whose attention modules go through transformers' AttentionInterface with a layer_idx,
 # which is what the packed KV attention relies on.
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gpt2"}
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What one token's KV cache is made of, from a model's config."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config) -> KVShape:
+        heads = config.num_attention_heads
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        )
 
 
 def load_model(
