@@ -11,6 +11,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from app.api import create_app
+from app.serving import GenerateService
 from app.settings import load_settings
 
 log = logging.getLogger("conf_kv")
@@ -32,14 +33,14 @@ class GracefulServer(uvicorn.Server):
             return super().handle_exit(sig, frame)
         self.draining = service.draining = True
         log.info("shutting down: new requests get 503; waiting up to %.0f s for running ones", self.grace_s)
-        threading.Thread(target=self._drain, args=(service.engine,), name="drain", daemon=True).start()
+        threading.Thread(target=self._drain, args=(service,), name="drain", daemon=True).start()
 
-    def _drain(self, engine) -> None:
+    def _drain(self, service: GenerateService) -> None:
         deadline = time.monotonic() + self.grace_s
-        while engine.num_pending and time.monotonic() < deadline:
+        while service.admitted and time.monotonic() < deadline:
             time.sleep(0.1)
-        if engine.num_pending:
-            log.warning("grace period over with %d requests unfinished; they are cut off", engine.num_pending)
+        if service.admitted:
+            log.warning("grace period over with %d requests unfinished; they are cut off", len(service.admitted))
         self.should_exit = True
 
 

@@ -16,7 +16,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.async_engine import AsyncEngine, EngineDeadError
@@ -168,7 +167,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def generate(body: GenerateRequest, request: Request, service: Annotated[GenerateService, Depends(_service)]):
         prepared = service.prepare(body)
         if body.stream:
-            return EventSourceResponse(service.stream(prepared), ping=15)
+            return service.event_stream(prepared, service.stream(prepared))
         return await service.generate(prepared, request)
 
     @app.get("/health")

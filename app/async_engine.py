@@ -69,11 +69,6 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    @property
-    def num_pending(self) -> int:
-        """Requests accepted and not finished (waiting or running)."""
-        return len(self._streams)
-
     # ----- requests ----------------------------------------------------------------------
     async def generate(
         self,

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
-from sse_starlette.sse import EventSourceResponse
 
 from app.openai_protocol import (
     ChatCompletionRequest,
@@ -35,7 +34,7 @@ async def models(service: Service) -> ModelList:
 async def completions(body: CompletionRequest, request: Request, service: Service):
     prepared = service.prepare_completion(body)
     if body.stream:
-        return EventSourceResponse(service.completion_stream(body, prepared), ping=15)
+        return service.completion_stream(body, prepared)
     return await service.completion(body, prepared, request)
 
 
@@ -43,5 +42,5 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
 async def chat_completions(body: ChatCompletionRequest, request: Request, service: Service):
     prepared = service.prepare_chat(body)
     if body.stream:
-        return EventSourceResponse(service.chat_stream(body, prepared), ping=15)
+        return service.chat_stream(body, prepared)
     return await service.chat(body, prepared, request)

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from fastapi import Request
+from sse_starlette import EventSourceResponse
 from transformers import PreTrainedTokenizerBase
 
 from app.engine import RequestOutput
@@ -72,7 +73,7 @@ class OpenAIService:
         )
         return self._build(CompletionResponse, prepared, [choice], **self._final(prepared, outputs[-1]))
 
-    def completion_stream(self, req: CompletionRequest, prepared: PreparedRequest) -> AsyncIterator[str]:
+    def completion_stream(self, req: CompletionRequest, prepared: PreparedRequest) -> EventSourceResponse:
         offset = 0  # of the next piece in the whole text, for the legacy logprobs format
 
         def choice(out: RequestOutput) -> CompletionChoice:
@@ -81,7 +82,7 @@ class OpenAIService:
             offset += len(out.delta_text)
             return CompletionChoice(text=out.delta_text, logprobs=logprobs, finish_reason=out.finish_reason)
 
-        return self._stream(CompletionChunk, req, prepared, choice)
+        return self.service.event_stream(prepared, self._stream(CompletionChunk, req, prepared, choice))
 
     # ----- chat completions --------------------------------------------------------------
     def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
@@ -100,7 +101,7 @@ class OpenAIService:
         )
         return self._build(ChatCompletionResponse, prepared, [choice], **self._final(prepared, outputs[-1]))
 
-    def chat_stream(self, req: ChatCompletionRequest, prepared: PreparedRequest) -> AsyncIterator[str]:
+    def chat_stream(self, req: ChatCompletionRequest, prepared: PreparedRequest) -> EventSourceResponse:
         def choice(out: RequestOutput) -> ChatChunkChoice:
             return ChatChunkChoice(
                 delta=ChatDelta(content=out.delta_text or None),
@@ -109,7 +110,7 @@ class OpenAIService:
             )
 
         opening = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))
-        return self._stream(ChatCompletionChunk, req, prepared, choice, opening)
+        return self.service.event_stream(prepared, self._stream(ChatCompletionChunk, req, prepared, choice, opening))
 
     # ----- internals ---------------------------------------------------------------------
     def _prepare(

@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
+from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
 from transformers import PreTrainedTokenizerBase
 
 from app.async_engine import AsyncEngine
@@ -60,7 +62,9 @@ class GenerateService:
         self.max_model_len = engine.engine.max_model_len
         self.compression_config = engine.engine.compression_config
         self.draining = False  # set on shutdown: refuse new requests
-        self.pending_tokens = 0  # prompt tokens of requests accepted and not finished
+        # Requests accepted and not finished -> prompt tokens. Reserved when `prepare` accepts, not when the
+        # engine first sees the request: a burst is admitted before any of its requests has started.
+        self.admitted: dict[str, int] = {}
 
     def prepare(self, req: GenerateRequest, logprobs: int | None = None, id_prefix: str = "gen") -> PreparedRequest:
         """Tokenize and check a request; raise APIError if it cannot be served."""
@@ -69,13 +73,14 @@ class GenerateService:
             self._refuse(503)
             message = "the server is shutting down; retry on another instance"
             raise APIError(503, "shutting_down", message, {"Retry-After": "5"})
-        if self.engine.num_pending >= self.settings.max_queue_size + self.settings.max_num_seqs:
+        if len(self.admitted) >= self.settings.max_queue_size + self.settings.max_num_seqs:
             self._refuse(503)
             raise APIError(503, "overloaded", "the request queue is full; retry later", {"Retry-After": "1"})
         ids = self._tokenize(req)
-        if self.pending_tokens and self.pending_tokens + len(ids) > self.settings.max_queue_tokens:
+        pending_tokens = sum(self.admitted.values())
+        if pending_tokens and pending_tokens + len(ids) > self.settings.max_queue_tokens:
             self._refuse(503)
-            message = f"{self.pending_tokens} prompt tokens are already queued or running; retry later"
+            message = f"{pending_tokens} prompt tokens are already queued or running; retry later"
             raise APIError(503, "overloaded", message, {"Retry-After": "1"})
         max_tokens = req.max_tokens or min(self.settings.default_max_tokens, max(1, self.max_model_len - len(ids)))
         if len(ids) + max_tokens > self.max_model_len:
@@ -116,7 +121,17 @@ class GenerateService:
             logprobs=logprobs,
             deadline=_deadline(arrival, req.timeout or self.settings.request_timeout),
         )
-        return PreparedRequest(f"{id_prefix}-{uuid.uuid4().hex}", ids, params, compression, arrival)
+        prepared = PreparedRequest(f"{id_prefix}-{uuid.uuid4().hex}", ids, params, compression, arrival)
+        self.admitted[prepared.request_id] = len(ids)
+        return prepared
+
+    def release(self, prepared: PreparedRequest) -> None:
+        """Give back an accepted request's place in the queue; safe to call more than once."""
+        self.admitted.pop(prepared.request_id, None)
+
+    def event_stream(self, prepared: PreparedRequest, chunks: AsyncIterator[str]) -> EventSourceResponse:
+        """The SSE response; its place in the queue comes back even if the stream never starts."""
+        return EventSourceResponse(chunks, ping=15, background=BackgroundTask(self.release, prepared))
 
     async def generate(self, prepared: PreparedRequest, http_request: Request) -> GenerateResponse:
         outputs = await self.run(prepared, http_request)
@@ -139,6 +154,7 @@ class GenerateService:
             watch.cancel()
         if collect not in done:
             collect.cancel()  # cancelling the stream aborts the request in the engine
+            self.release(prepared)  # `collect` may be cancelled before it ever starts
             raise APIError(499, "client_closed_request", "the client went away")
         return collect.result()
 
@@ -164,7 +180,6 @@ class GenerateService:
         """The request's outputs as the engine makes them; closing the iterator aborts the request."""
         first: float | None = None
         last: RequestOutput | None = None
-        self.pending_tokens += len(prepared.prompt_token_ids)
         try:
             async for out in self.engine.generate(
                 prepared.prompt_token_ids, prepared.params, prepared.request_id, prepared.compression
@@ -176,7 +191,7 @@ class GenerateService:
         except ValueError as exc:
             raise APIError(400, "invalid_request", str(exc)) from exc
         finally:
-            self.pending_tokens -= len(prepared.prompt_token_ids)
+            self.release(prepared)
             status = (last.finish_reason if last and last.finished else "abort") or "abort"
             self.metrics.observe_request(
                 status,
