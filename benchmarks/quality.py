@@ -1,21 +1,32 @@
-"""Quality benchmark: every policy through the real engine, against the uncompressed cache.
+"""Quality benchmark: our policies through the real engine, NVIDIA kvpress's presses on the same cases.
 
-Needle retrieval accuracy (relative to the uncompressed cache), ROUGE-L of greedy summaries
-against the uncompressed summaries, the memory actually kept (compressed_size / original_size,
-measured) and the attention recall, for each policy and compression rate, plus uniform int8 and
-int4 quantisation of every key and value as baselines at their own byte counts. `dynamic` runs as
-shipped (with the value predictor when its weights are there); `dynamic, attention only` without it.
+Three tasks, all generated from text that ships with Python (benchmarks/tasks.py):
+- needle in natural text, 1k, 2k and 3k tokens: accuracy relative to the uncompressed cache;
+- generation fidelity: greedy summaries, ROUGE-L and BLEU against the uncompressed summaries;
+- perplexity of a long text, teacher-forced one token at a time after a short prefill, compressed as
+  decoding proceeds (every 128 tokens, to the same fraction of every token seen so far).
+Memory kept is measured for our setups (compressed bytes / uncompressed bytes, KEY_ONLY's int4 values
+and int8 storage counted as stored); for kvpress it is its `compression_ratio` (1 - ratio of fp32 entries).
+Uniform int8 and int4 quantisation of every key and value run as their own rows at their own bytes.
 
-    python benchmarks/quality.py                # 30 needle cases (1k-2k tokens), 8 summaries, rates 0.6 0.75
-    python benchmarks/quality.py --quick        # 6 needle cases, 3 summaries, rate 0.6
-Results: benchmarks/results/quality.{json,md,png}.
+`dynamic` runs as shipped (with the value predictor when its weights are there); `dynamic, attention
+only` without it. Our re-implementations of the classic scorers (tova, snapkv, h2o, ...) are available
+with `--policies`; by default the kvpress presses stand for them.
+
+    python benchmarks/quality.py --peers        # = make bench-quality; 12 needles, 6 summaries, 2k perplexity
+    python benchmarks/quality.py --quick        # a few minutes: 3 needles, 2 summaries, rate 0.6
+Results: benchmarks/results/quality.{json,md} and one plot per task, quality_<task>.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,19 +34,29 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from app.sequence import SamplingParams  # noqa: E402
+from benchmarks.corpus import text_of_tokens  # noqa: E402
 from benchmarks.report import save_report  # noqa: E402
 from benchmarks.tasks import fidelity_cases, needle_cases  # noqa: E402
 from compression.config import CompressionConfig, resolve  # noqa: E402
+from compression.library import DynamicKVCompressor  # noqa: E402
 from compression.predictor.online import FutureValue, load_future_value, predictor_path  # noqa: E402
+from models.default_model import default_model_path  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
+PEERS_RUNNER = Path(__file__).resolve().parent / "peers" / "kvpress_runner.py"
 POLICIES = ("dynamic", "tova", "snapkv", "h2o", "knorm", "streaming_llm", "random")
 ATTENTION_ONLY = "dynamic, attention only"  # the dynamic policy without the value predictor
+DEFAULT_ROWS = ("dynamic", ATTENTION_ONLY)
+PPL_PREFILL = 256  # tokens prefilled uncompressed before the teacher-forced part
+PPL_INTERVAL = 128  # tokens between compressions in the perplexity task (kvpress's decoding press needs
+# more buffered queries than SnapKV's 64-token window; the same interval applies to every setup)
 
 
 @dataclass(frozen=True)
@@ -45,41 +66,78 @@ class Setup:
     policy: str
     rate: float
     value_predictor: bool = True  # dynamic: rank by the predictor (when one is loaded)
+    source: str = "ours"  # or "kvpress"
 
 
 @dataclass
 class Row:
     setup: Setup
-    needle_accuracy: float = 0.0
-    needle_relative: float = 0.0
+    needle_relative: float = 0.0  # all lengths
+    needle_by_length: dict[int, float] = field(default_factory=dict)  # accuracy relative to uncompressed
     rouge_l: float = 0.0
-    memory_kept: float = 0.0
-    recall: float = 0.0
+    bleu: float = 0.0
+    perplexity: float = 0.0
+    memory_kept: float = 0.0  # needle and fidelity cases, mean
+    perplexity_memory_kept: float = 0.0  # at the end of the perplexity text
     seconds: float = 0.0
     outputs: dict[str, str] = field(default_factory=dict)
 
 
-def setups(rates: list[float]) -> list[Setup]:
+@dataclass
+class Tasks:
+    needles: list
+    summaries: list
+    prompts: dict[str, list[int]]
+    max_tokens: dict[str, int]
+    perplexity_ids: list[int]
+
+
+def setups(rates: list[float], labels: tuple[str, ...]) -> list[Setup]:
     plan = [
         Setup("uncompressed", "auto", "none", 0.0),
         Setup("uniform int8", "int8", "none", 0.0),
         Setup("uniform int4", "int4", "none", 0.0),
     ]
     for rate in rates:
-        # Baselines evict at the model's dtype, as published; dynamic runs as shipped (int8 storage).
-        plan += [Setup(policy, "int8" if policy == "dynamic" else "auto", policy, rate) for policy in POLICIES]
-        plan.append(Setup(ATTENTION_ONLY, "int8", "dynamic", rate, value_predictor=False))
+        # Our baselines evict at the model's dtype, as published; dynamic runs as shipped (int8 storage).
+        plan += [
+            Setup(policy, "int8" if policy == "dynamic" else "auto", policy, rate)
+            for policy in POLICIES
+            if policy in labels
+        ]
+        if ATTENTION_ONLY in labels:
+            plan.append(Setup(ATTENTION_ONLY, "int8", "dynamic", rate, value_predictor=False))
     return plan
 
 
+def build_tasks(tokenizer, needles: int, summaries: int, ppl_tokens: int) -> Tasks:
+    needle_set = needle_cases(tokenizer, needles, lengths=(1000, 2000, 3000))
+    summary_set = fidelity_cases(tokenizer, summaries)
+    prompts, max_tokens = {}, {}
+    for case in [*needle_set, *summary_set]:
+        text = tokenizer.apply_chat_template(case.messages, tokenize=False, add_generation_prompt=True)
+        prompts[case.name] = tokenizer(text, add_special_tokens=False).input_ids
+        max_tokens[case.name] = 16 if case in needle_set else 48
+    # Paragraphs from the far end of the corpus: the needle haystacks draw from all of it, but this is one
+    # contiguous text, and the value predictor's traces start at the front.
+    perplexity_ids = text_of_tokens(tokenizer, ppl_tokens, offset=400)
+    return Tasks(needle_set, summary_set, prompts, max_tokens, perplexity_ids)
+
+
+def request_of(setup: Setup, interval: int | None = None) -> dict:
+    request = {
+        "policy": setup.policy,
+        "compression_rate": setup.rate,
+        "kv_cache_dtype": setup.storage,
+        "value_predictor": setup.value_predictor,
+    }
+    return {**request, "compression_interval": interval} if interval else request
+
+
 def run_setup(
-    model,
-    tokenizer,
-    setup: Setup,
-    prompts: dict[str, list[int]],
-    max_tokens: dict[str, int],
-    future_value: FutureValue | None,
-) -> tuple[dict[str, str], dict[str, dict], float]:
+    model, tokenizer, setup: Setup, tasks: Tasks, future_value: FutureValue | None
+) -> tuple[dict[str, str], list[dict], float]:
+    """Greedy outputs of every needle and summary case, batched through the engine, and their metrics."""
     config = CompressionConfig()
     engine = LLMEngine(
         model,
@@ -88,131 +146,226 @@ def run_setup(
         config,
         future_value,
     )
-    request = {
-        "policy": setup.policy,
-        "compression_rate": setup.rate,
-        "kv_cache_dtype": setup.storage,
-        "value_predictor": setup.value_predictor,
-    }
-    params = resolve(config, request, True, True)
-    for name, ids in prompts.items():
-        engine.add_request(name, ids, SamplingParams(max_tokens=max_tokens[name], temperature=0.0), params)
-    texts = {name: "" for name in prompts}
-    metrics: dict[str, dict] = {}
+    params = resolve(config, request_of(setup), True, True)
+    for name, ids in tasks.prompts.items():
+        engine.add_request(name, ids, SamplingParams(max_tokens=tasks.max_tokens[name], temperature=0.0), params)
+    texts = {name: "" for name in tasks.prompts}
+    metrics: list[dict] = []
     started = time.perf_counter()
     label = f"{setup.label} @ {setup.rate}" if setup.rate else setup.label
-    with torch.inference_mode(), tqdm(total=len(prompts), desc=label, unit="case", leave=False) as bar:
+    with torch.inference_mode(), tqdm(total=len(tasks.prompts), desc=label, unit="case", leave=False) as bar:
         while engine.has_unfinished():
             for out in engine.step():
                 texts[out.request_id] += out.delta_text
                 if out.finished:
-                    metrics[out.request_id] = out.compression_metrics
+                    metrics.append(out.compression_metrics)
                     bar.update(1)
     return texts, metrics, time.perf_counter() - started
+
+
+@torch.inference_mode()
+def perplexity(model, ids: list[int], setup: Setup, future_value: FutureValue | None) -> tuple[float, float]:
+    """exp(mean NLL) of ids[PPL_PREFILL:], teacher-forced one token at a time through the compressed cache,
+    and the memory kept at the end."""
+    request = request_of(setup, PPL_INTERVAL)
+    compressor = DynamicKVCompressor(max_cache_size="8GiB", future_value=future_value, **request)
+    tokens = torch.tensor([ids])
+    nll = 0.0
+    with compressor.attached(model):
+        logits = model(input_ids=tokens[:, :PPL_PREFILL], cache=compressor).logits[:, -1]
+        for pos in tqdm(range(PPL_PREFILL, len(ids)), desc="perplexity", unit="tok", leave=False):
+            nll -= torch.log_softmax(logits[0].float(), -1)[ids[pos]].item()
+            if pos + 1 < len(ids):
+                compressor(tokens[:, : pos + 1], logits)  # the model's confidence, as generate would report
+                logits = model(input_ids=tokens[:, pos : pos + 1], cache=compressor).logits[:, -1]
+        kept = compressor.metrics().compression_ratio
+    return math.exp(nll / (len(ids) - PPL_PREFILL)), kept
+
+
+def score(row: Row, texts: dict[str, str], reference: Row | None, tasks: Tasks) -> None:
+    """Fill the row's task scores from its outputs; `reference` is the uncompressed row of the same source."""
+    from rouge_score import rouge_scorer
+    from sacrebleu.metrics import BLEU
+
+    ref = reference.outputs if reference else texts
+    row.outputs = texts
+    lengths = sorted({c.context_tokens for c in tasks.needles})
+    base = {n: _needle_accuracy(tasks.needles, ref, n) or 1.0 for n in lengths}
+    row.needle_by_length = {n: _needle_accuracy(tasks.needles, texts, n) / base[n] for n in lengths}
+    row.needle_relative = statistics.mean(row.needle_by_length.values())
+    rouge = rouge_scorer.RougeScorer(["rougeL"])
+    bleu = BLEU(effective_order=True)
+    summaries = [c.name for c in tasks.summaries]
+    row.rouge_l = statistics.mean(rouge.score(ref[n], texts[n])["rougeL"].fmeasure for n in summaries)
+    row.bleu = statistics.mean(bleu.sentence_score(texts[n], [ref[n]]).score / 100 for n in summaries)
+
+
+def _needle_accuracy(needles: list, texts: dict[str, str], length: int) -> float:
+    return statistics.mean(c.correct(texts[c.name]) for c in needles if c.context_tokens == length)
+
+
+def run_peers(args, tasks: Tasks, model_path: Path) -> list[tuple[Setup, dict]]:
+    """kvpress's presses in their own environment (make bench-peers); its raw outputs per setup."""
+    if not PEERS_PYTHON.exists():
+        raise SystemExit(f"{PEERS_PYTHON} is missing: run `make bench-peers` (it builds kvpress's environment)")
+    with tempfile.TemporaryDirectory() as tmp:
+        cases = Path(tmp) / "cases.json"
+        cases.write_text(
+            json.dumps(
+                {
+                    "model_path": str(model_path),
+                    "cases": [
+                        {"name": c.name, "messages": c.messages, "max_tokens": tasks.max_tokens[c.name]}
+                        for c in [*tasks.needles, *tasks.summaries]
+                    ],
+                    "perplexity": {"token_ids": tasks.perplexity_ids, "prefill": PPL_PREFILL, "interval": PPL_INTERVAL},
+                }
+            )
+        )
+        out = Path(tmp) / "peers.json"
+        command = [str(PEERS_PYTHON), str(PEERS_RUNNER), "--cases", str(cases), "--out", str(out)]
+        command += ["--rates", *map(str, args.rates), "--threads", str(args.threads)]
+        command += ["--presses", *args.presses] if args.presses else []
+        subprocess.run(command, check=True)
+        runs = json.loads(out.read_text())["runs"]
+    return [(Setup(_peer_label(r["press"]), "auto", r["press"], r["rate"], source="kvpress"), r) for r in runs]
+
+
+def _peer_label(press: str) -> str:
+    return "kvpress " + ("uncompressed" if press == "none" else press)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", type=Path, default=None)
-    parser.add_argument("--needles", type=int, default=30)
-    parser.add_argument("--summaries", type=int, default=8)
-    parser.add_argument("--rates", type=float, nargs="+", default=[0.6, 0.75])
-    parser.add_argument("--policies", nargs="+", default=None, help="only these rows (labels), plus baselines")
+    parser.add_argument("--needles", type=int, default=12, help="split evenly over 1k, 2k and 3k tokens")
+    parser.add_argument("--summaries", type=int, default=6)
+    parser.add_argument("--perplexity-tokens", type=int, default=2048)
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.4, 0.6, 0.75, 0.9])
+    parser.add_argument("--policies", nargs="+", default=list(DEFAULT_ROWS), help="our rows (labels)")
+    parser.add_argument("--peers", action="store_true", help="also run kvpress's presses (make bench-peers)")
+    parser.add_argument("--presses", nargs="+", default=None, help="kvpress presses (default: all)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS / "quality")
     args = parser.parse_args()
     if args.quick:
-        args.needles, args.summaries, args.rates = 6, 3, [0.6]
+        args.needles, args.summaries, args.perplexity_tokens, args.rates = 3, 2, 512, [0.6]
+        args.presses = args.presses or ["SnapKV", "ExpectedAttention"]
     torch.set_num_threads(args.threads)
-
-    from rouge_score import rouge_scorer
 
     model, tokenizer = load_model(args.model_path, torch.device("cpu"))
     interval = CompressionConfig().score_interval
     future_value = load_future_value(predictor_path(args.model_path), model.config, torch.device("cpu"), interval)
-    needles = needle_cases(tokenizer, args.needles)
-    summaries = fidelity_cases(tokenizer, args.summaries)
-    prompts, max_tokens = {}, {}
-    for case in [*needles, *summaries]:
-        text = tokenizer.apply_chat_template(case.messages, tokenize=False, add_generation_prompt=True)
-        prompts[case.name] = tokenizer(text, add_special_tokens=False).input_ids
-        max_tokens[case.name] = 16 if case in needles else 48
-    scorer = rouge_scorer.RougeScorer(["rougeL"])
+    tasks = build_tasks(tokenizer, args.needles, args.summaries, args.perplexity_tokens)
 
-    plan = setups(args.rates)
-    if args.policies:
-        plan = [s for s in plan if s.policy == "none" or s.label in args.policies]
     rows: list[Row] = []
-    reference: dict[str, str] = {}
-    for setup in tqdm(plan, desc="quality benchmark", unit="setup"):
-        texts, metrics, seconds = run_setup(model, tokenizer, setup, prompts, max_tokens, future_value)
-        if setup.label == "uncompressed":
-            reference = texts
-        row = Row(setup, seconds=seconds, outputs=texts)
-        row.needle_accuracy = statistics.mean(c.correct(texts[c.name]) for c in needles)
-        row.rouge_l = statistics.mean(
-            scorer.score(reference[c.name], texts[c.name])["rougeL"].fmeasure for c in summaries
-        )
-        row.memory_kept = statistics.mean(m["compression_ratio"] for m in metrics.values())
-        row.recall = statistics.mean(m["recall_rate"] for m in metrics.values())
+    for setup in tqdm(setups(args.rates, tuple(args.policies)), desc="our setups", unit="setup"):
+        texts, metrics, seconds = run_setup(model, tokenizer, setup, tasks, future_value)
+        row = Row(setup, seconds=seconds)
+        score(row, texts, rows[0] if rows else None, tasks)
+        row.memory_kept = statistics.mean(m["compression_ratio"] for m in metrics)
+        row.perplexity, row.perplexity_memory_kept = perplexity(model, tasks.perplexity_ids, setup, future_value)
         rows.append(row)
-        tqdm.write(
-            f"{setup.label:24s} rate {setup.rate:.2f}  needle {row.needle_accuracy:.2f}  "
-            f"ROUGE-L {row.rouge_l:.3f}  memory {row.memory_kept:.3f}  recall {row.recall:.3f}  "
-            f"({seconds:.0f}s)"
-        )
-    base = rows[0].needle_accuracy or 1.0
-    for row in rows:
-        row.needle_relative = row.needle_accuracy / base
-    report(rows, args, needles, summaries)
+        _log(row)
+    if args.peers:
+        reference: Row | None = None
+        for setup, run in run_peers(args, tasks, args.model_path or default_model_path()):
+            kept = 1.0 - setup.rate
+            row = Row(setup, perplexity=run["perplexity"], memory_kept=kept, perplexity_memory_kept=kept)
+            row.seconds = run["seconds"]
+            score(row, run["outputs"], reference, tasks)
+            reference = reference or row
+            rows.append(row)
+            _log(row)
+    report(rows, args, tasks)
 
 
-def report(rows: list[Row], args, needles, summaries) -> None:
+def _log(row: Row) -> None:
+    tqdm.write(
+        f"{row.setup.label:32s} rate {row.setup.rate:.2f}  memory {row.memory_kept:.3f}  "
+        f"needle {row.needle_relative:.2f}  ROUGE-L {row.rouge_l:.3f}  BLEU {row.bleu:.3f}  "
+        f"perplexity {row.perplexity:.2f}  ({row.seconds:.0f}s)"
+    )
+
+
+TASKS = {  # name: (title, column header, how a row gives its score, higher is better)
+    "needle": ("Needle in natural text, accuracy relative to uncompressed", "needle", "needle_relative", True),
+    "rouge_l": ("Generation fidelity, ROUGE-L against the uncompressed output", "ROUGE-L", "rouge_l", True),
+    "bleu": ("Generation fidelity, BLEU against the uncompressed output", "BLEU", "bleu", True),
+    "perplexity": ("Perplexity, teacher-forced, compressed as decoding proceeds", "perplexity", "perplexity", False),
+}
+
+
+def report(rows: list[Row], args, tasks: Tasks) -> None:
+    lengths = sorted({c.context_tokens for c in tasks.needles})
+    rates = sorted({r.setup.rate for r in rows if r.setup.rate})
     lines = [
-        f"{len(needles)} needle cases ({min(c.context_tokens for c in needles)}-"
-        f"{max(c.context_tokens for c in needles)} tokens of text, fact at depths 0.1-0.9), {len(summaries)} "
-        f"greedy 48-token summaries of ~800-token passages; default model, fp32, {args.threads} CPU threads. "
-        "Memory kept is measured: compressed_size / original_size (uncompressed fp32 = 1.0; buffer growth "
-        "slack included). Needle accuracy is relative to the uncompressed cache "
-        f"({rows[0].needle_accuracy:.0%} absolute).",
-        "",
-        "| setup | rate | memory kept | needle (relative) | ROUGE-L vs uncompressed | recall |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        f"{len(tasks.needles)} needle cases ({', '.join(map(str, lengths))} tokens of text, fact at depths "
+        f"0.1-0.9), {len(tasks.summaries)} greedy 48-token summaries of ~800-token passages, perplexity of "
+        f"{len(tasks.perplexity_ids)} tokens ({PPL_PREFILL} prefilled, then teacher-forced, compressed every "
+        f"{PPL_INTERVAL}); default model, fp32, {args.threads} CPU threads. Each cell: score (memory kept). "
+        "Memory kept is measured for ours (compressed / uncompressed bytes), 1 - compression_ratio for kvpress. "
+        "Needle and fidelity scores are against each library's own uncompressed run.",
     ]
-    for r in rows:
-        rate = f"{r.setup.rate:.2f}" if r.setup.rate else "-"
-        lines.append(
-            f"| {r.setup.label} | {rate} | {r.memory_kept:.3f} | {r.needle_relative:.0%} | "
-            f"{r.rouge_l:.3f} | {r.recall:.3f} |"
-        )
+    labels = list(dict.fromkeys(r.setup.label for r in rows))
+    for key, (title, _, attr, _) in TASKS.items():
+        lines += ["", f"#### {title}", "", "| setup | " + " | ".join(f"rate {r:.2f}" for r in rates) + " |"]
+        lines.append("| --- |" + " ---: |" * len(rates))
+        for label in labels:
+            mine = [r for r in rows if r.setup.label == label]
+            if not mine[0].setup.rate:  # uncompressed and uniform quantisation: one value, every column
+                cells = [_cell(mine[0], attr)] * len(rates)
+            else:
+                by_rate = {r.setup.rate: r for r in mine}
+                cells = [_cell(by_rate[rate], attr) if rate in by_rate else "-" for rate in rates]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        if key == "needle":
+            lines += ["", "Needle accuracy by length (relative):", ""]
+            lines.append("| setup | rate | " + " | ".join(f"{n} tokens" for n in lengths) + " |")
+            lines.append("| --- | ---: |" + " ---: |" * len(lengths))
+            for r in rows:
+                by = " | ".join(f"{r.needle_by_length[n]:.0%}" for n in lengths)
+                lines.append(f"| {r.setup.label} | {r.setup.rate or '-'} | {by} |")
     save_report(args.out, "Quality benchmark", "\n".join(lines), {"rows": [asdict(r) for r in rows]}, args)
-    plot(rows, args.out.with_suffix(".png"))
+    for key in TASKS:
+        plot(rows, key, args.out.with_name(f"{args.out.name}_{key}.png"))
 
 
-def plot(rows: list[Row], path: Path) -> None:
+def _cell(row: Row, attr: str) -> str:
+    value = getattr(row, attr)
+    shown = f"{value:.2f}" if attr == "perplexity" else f"{value:.0%}" if attr == "needle_relative" else f"{value:.3f}"
+    return f"{shown} ({_memory(row, attr):.2f})"
+
+
+def _memory(row: Row, attr: str) -> float:
+    return row.perplexity_memory_kept if attr == "perplexity" else row.memory_kept
+
+
+def plot(rows: list[Row], key: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    for ax, metric, title in (
-        (axes[0], "needle_relative", "Needle accuracy (relative)"),
-        (axes[1], "rouge_l", "ROUGE-L vs uncompressed"),
-    ):
-        labels = dict.fromkeys(r.setup.label for r in rows)
-        for label in labels:
-            points = sorted((r.memory_kept, getattr(r, metric)) for r in rows if r.setup.label == label)
-            xs, ys = zip(*points, strict=True)
-            style = "o-" if len(points) > 1 else "s"
-            ax.plot(xs, ys, style, label=label, linewidth=2.5 if label.startswith("dynamic") else 1.2)
-        ax.set_xlabel("memory kept (compressed / uncompressed bytes)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8, loc="lower right")
+    title, header, attr, higher = TASKS[key]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label in dict.fromkeys(r.setup.label for r in rows):
+        points = sorted((_memory(r, attr), getattr(r, attr)) for r in rows if r.setup.label == label)
+        xs, ys = zip(*points, strict=True)
+        ours = rows and next(r for r in rows if r.setup.label == label).setup.source == "ours"
+        style = ("o-" if ours else "x--") if len(points) > 1 else "s"
+        ax.plot(xs, ys, style, label=label, linewidth=2.5 if label.startswith("dynamic") else 1.0)
+    if not higher:
+        ax.set_yscale("log")
+    ax.set_xlabel("memory kept (compressed / uncompressed bytes)")
+    ax.set_ylabel(header + ("" if higher else " (lower is better)"))
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

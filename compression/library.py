@@ -28,6 +28,7 @@ from compression.attention import ATTENTION_NAME, PackedBatch, Segment
 from compression.config import CompressionConfig, parse_size, resolve
 from compression.engine import CompressionEngine, CompressionMetrics
 from compression.kv_store import KVStore
+from compression.predictor.online import FutureValue
 from models.loader import KVShape
 
 SEQ_ID = 0
@@ -64,11 +65,14 @@ class DynamicKVCompressor(Cache):
         compression_rate: float | None = None,
         config: CompressionConfig | None = None,
         stats: bool = True,
+        future_value: FutureValue | None = None,
         **options,
     ) -> None:
         """`max_cache_size`: MB (as in the seeds), or '2GiB', or '80%' of device memory.
-        Other options (`compression_interval`, `thresholds={...}`, `kv_cache_dtype`, ...) are those of a
-        request's `compression` object; the rest comes from `config` (default: config/compression.json)."""
+        `future_value`: the value predictor for the `dynamic` policy (`load_future_value`); without it,
+        dynamic scores by observed attention only. Other options (`compression_interval`,
+        `thresholds={...}`, `kv_cache_dtype`, ...) are those of a request's `compression` object; the rest
+        comes from `config` (default: config/compression.json)."""
         super().__init__(layers=[])
         self.config = config or CompressionConfig.load()
         request = {
@@ -79,6 +83,7 @@ class DynamicKVCompressor(Cache):
         }
         self.params = resolve(self.config, {k: v for k, v in request.items() if v is not None}, True, stats)
         self.max_cache_size = max_cache_size
+        self.future_value = future_value
         self.store: KVStore | None = None
         self.engine: CompressionEngine | None = None
         self.sequence = _Sequence()
@@ -152,8 +157,9 @@ class DynamicKVCompressor(Cache):
             dtype=model.dtype,
             device=device,
             key_only_bits=self.config.key_only_value_bits,
+            history_steps=self.future_value.history_steps if self.future_value else 0,
         )
-        self.engine = CompressionEngine(self.store)
+        self.engine = CompressionEngine(self.store, future_value=self.future_value)
         self.sequence = _Sequence()
         self.store.set_storage(SEQ_ID, self.params.kv_cache_dtype)
         self._pending_confidence = None

@@ -206,3 +206,27 @@ def test_dropped_entries_that_draw_attention_are_logged_for_training(tokenizer, 
     config = PredictorConfig.load(**{**SMALL, "observation_steps": 2, "max_epochs": 2})
     predictor, _ = train(samples["windows"], samples["targets"], config, progress=False)
     assert predictor(samples["windows"]).shape == samples["targets"].shape
+
+
+def test_the_library_compressor_ranks_by_the_predictor_it_is_given(tokenizer):
+    from compression import DynamicKVCompressor
+    from compression.predictor.online import FutureValue
+
+    model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    ids = torch.randint(3, len(tokenizer), (1, 200), generator=torch.Generator().manual_seed(1))
+    predictor = NewestFirst()
+    compressor = DynamicKVCompressor(
+        max_cache_size="64MiB",
+        future_value=FutureValue(predictor, 2),
+        compression_rate=0.8,
+        compression_interval=8,
+        recent_window=16,
+        kv_cache_dtype="auto",
+    )
+    compressor.generate(model, ids, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    assert predictor.batches  # consulted
+    kv = compressor.store.layer(0, 0)
+    held = kv.positions[: kv.length].sort().values
+    num_tokens = compressor.sequence.num_computed
+    middle = held[(held >= 4) & (held < num_tokens - 16)]
+    assert torch.equal(middle, torch.arange(num_tokens - 16 - len(middle), num_tokens - 16))  # the newest

@@ -1,0 +1,96 @@
+"""The quality benchmark's measurements: perplexity through the compressor, scores, the kvpress hand-off."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import quality
+from benchmarks.quality import Row, Setup, Tasks
+from benchmarks.tasks import FidelityCase, NeedleCase
+
+
+def test_teacher_forced_perplexity_through_the_uncompressed_cache_is_the_models(default_model, tokenizer):
+    model = default_model
+    ids = tokenizer(" ".join(f"Item {i} is filed under box {i % 7}." for i in range(40))).input_ids[:300]
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    nll = -torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    want = math.exp(nll[quality.PPL_PREFILL - 1 :].mean().item())
+
+    got, kept = quality.perplexity(model, ids, Setup("uncompressed", "auto", "none", 0.0), None)
+    assert got == pytest.approx(want, rel=1e-4)
+    assert kept >= 1.0
+    squeezed, kept = quality.perplexity(model, ids, Setup("uniform int4", "int4", "none", 0.0), None)
+    assert squeezed != pytest.approx(want, rel=1e-4) and kept < 0.3
+
+
+def _tasks() -> Tasks:
+    needles = [NeedleCase(f"n{i}", [], "pelican-42", length, 0.5) for i, length in enumerate((1000, 1000, 2000, 2000))]
+    summaries = [FidelityCase("s0", []), FidelityCase("s1", [])]
+    return Tasks(needles, summaries, {}, {}, [])
+
+
+def test_scores_are_relative_to_the_reference_per_needle_length():
+    tasks = _tasks()
+    summary = "The module parses command line options and prints help for each of them."
+    reference = Row(Setup("uncompressed", "auto", "none", 0.0))
+    quality.score(reference, {"n0": "pelican-42", "n1": "no idea", "n2": "42 pelican", "n3": "pelican 42",
+                              "s0": summary, "s1": summary}, None, tasks)  # fmt: skip
+    assert reference.needle_by_length == {1000: 1.0, 2000: 1.0}  # against itself
+    assert reference.rouge_l == pytest.approx(1.0) and reference.bleu == pytest.approx(1.0)
+
+    row = Row(Setup("x", "auto", "tova", 0.6))
+    quality.score(row, {"n0": "pelican-42", "n1": "pelican-42", "n2": "walnut-42", "n3": "no",
+                        "s0": summary, "s1": "Something else entirely."}, reference, tasks)  # fmt: skip
+    assert row.needle_by_length == {1000: 2.0, 2000: 0.0}  # 2 found where the reference found 1; none
+    assert row.needle_relative == pytest.approx(1.0)
+    assert 0.4 < row.rouge_l < 0.6 and 0.4 < row.bleu < 0.6  # one summary identical, one unrelated
+
+
+def test_kvpress_results_come_back_as_rows_scored_against_kvpress_uncompressed(tmp_path, monkeypatch):
+    # The runner's environment is not built in tests: a stand-in script checks the cases file it gets
+    # and answers in the runner's format (what this test is about: the hand-off, not kvpress).
+    runner = tmp_path / "runner.py"
+    runner.write_text(
+        "import json, sys\n"
+        "args = sys.argv[1:]\n"
+        "cases = json.load(open(args[args.index('--cases') + 1]))\n"
+        "assert [c['max_tokens'] for c in cases['cases']] == [16, 16, 16, 16, 48, 48]\n"
+        "assert cases['perplexity']['prefill'] == 256 and args[args.index('--rates') + 1] == '0.6'\n"
+        "good = {'n0': 'pelican-42', 'n1': 'pelican-42', 'n2': 'pelican-42', 'n3': 'pelican-42',\n"
+        "        's0': 'a b c d e', 's1': 'a b c d e'}\n"
+        "runs = [{'press': 'none', 'rate': 0.0, 'outputs': good, 'perplexity': 9.0, 'seconds': 1.0},\n"
+        "        {'press': 'SnapKV', 'rate': 0.6, 'outputs': {**good, 'n0': 'x'}, 'perplexity': 9.5, 'seconds': 1.0}]\n"
+        "json.dump({'runs': runs}, open(args[args.index('--out') + 1], 'w'))\n"
+    )
+    monkeypatch.setattr(quality, "PEERS_PYTHON", Path(sys.executable))
+    monkeypatch.setattr(quality, "PEERS_RUNNER", runner)
+    tasks = _tasks()
+    tasks.max_tokens = {c.name: 16 for c in tasks.needles} | {c.name: 48 for c in tasks.summaries}
+    args = Namespace(rates=[0.6], threads=1, presses=None)
+    runs = quality.run_peers(args, tasks, tmp_path)
+    assert [setup.label for setup, _ in runs] == ["kvpress uncompressed", "kvpress SnapKV"]
+    assert runs[1][0].source == "kvpress" and runs[1][0].rate == 0.6
+
+    ours = Row(Setup("dynamic", "int8", "dynamic", 0.6), needle_relative=1.0, memory_kept=0.27, perplexity=9.1)
+    ours.needle_by_length = {1000: 1.0, 2000: 1.0}
+    rows = [ours]
+    for setup, run in runs:
+        rows.append(Row(setup, perplexity=run["perplexity"], memory_kept=1 - setup.rate))
+        quality.score(rows[-1], run["outputs"], rows[1] if len(rows) > 2 else None, tasks)
+    assert rows[2].needle_by_length == {1000: 0.5, 2000: 1.0}
+
+    out = tmp_path / "quality"
+    quality.report(rows, Namespace(threads=1, out=out), tasks)
+    table = out.with_suffix(".md").read_text()
+    assert "| kvpress SnapKV | 75% (0.40) |" in table  # needle: score (memory kept)
+    assert "| dynamic | 9.10 (0.00) |" in table  # perplexity column
+    assert json.loads(out.with_suffix(".json").read_text())["rows"][2]["setup"]["source"] == "kvpress"
+    assert all(out.with_name(f"quality_{task}.png").stat().st_size > 0 for task in quality.TASKS)
