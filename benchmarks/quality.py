@@ -3,8 +3,8 @@
 Three tasks, all generated from text that ships with Python (benchmarks/tasks.py):
 - needle in natural text, 1k, 2k and 3k tokens: accuracy relative to the uncompressed cache;
 - generation fidelity: greedy summaries, ROUGE-L and BLEU against the uncompressed summaries;
-- perplexity of a long text, teacher-forced one token at a time after a short prefill, compressed as
-  decoding proceeds (every 128 tokens, to the same fraction of every token seen so far).
+- perplexity of a 2k-token text: the first 1.5k prefilled, the last 512 teacher-forced one token at a
+  time, compressed as decoding proceeds (every 128 tokens, to the same fraction of every token seen so far).
 Memory kept is measured for our setups (compressed bytes / uncompressed bytes, KEY_ONLY's int4 values
 and int8 storage counted as stored); for kvpress it is its `compression_ratio` (1 - ratio of fp32 entries).
 Uniform int8 and int4 quantisation of every key and value run as their own rows at their own bytes.
@@ -13,7 +13,7 @@ Uniform int8 and int4 quantisation of every key and value run as their own rows 
 only` without it. Our re-implementations of the classic scorers (tova, snapkv, h2o, ...) are available
 with `--policies`; by default the kvpress presses stand for them.
 
-    python benchmarks/quality.py --peers        # = make bench-quality; 12 needles, 6 summaries, 2k perplexity
+    python benchmarks/quality.py --peers        # = make bench-quality; 9 needles, 4 summaries, 2k perplexity
     python benchmarks/quality.py --quick        # a few minutes: 3 needles, 2 summaries, rate 0.6
 Results: benchmarks/results/quality.{json,md} and one plot per task, quality_<task>.png.
 """
@@ -54,7 +54,7 @@ PEERS_RUNNER = Path(__file__).resolve().parent / "peers" / "kvpress_runner.py"
 POLICIES = ("dynamic", "tova", "snapkv", "h2o", "knorm", "streaming_llm", "random")
 ATTENTION_ONLY = "dynamic, attention only"  # the dynamic policy without the value predictor
 DEFAULT_ROWS = ("dynamic", ATTENTION_ONLY)
-PPL_PREFILL = 256  # tokens prefilled uncompressed before the teacher-forced part
+PPL_FORCED = 512  # the perplexity text's last tokens, teacher-forced; the rest is prefilled uncompressed
 PPL_INTERVAL = 128  # tokens between compressions in the perplexity task (kvpress's decoding press needs
 # more buffered queries than SnapKV's 64-token window; the same interval applies to every setup)
 
@@ -90,6 +90,10 @@ class Tasks:
     prompts: dict[str, list[int]]
     max_tokens: dict[str, int]
     perplexity_ids: list[int]
+
+    @property
+    def perplexity_prefill(self) -> int:
+        return len(self.perplexity_ids) - PPL_FORCED
 
 
 def setups(rates: list[float], labels: tuple[str, ...]) -> list[Setup]:
@@ -164,22 +168,24 @@ def run_setup(
 
 
 @torch.inference_mode()
-def perplexity(model, ids: list[int], setup: Setup, future_value: FutureValue | None) -> tuple[float, float]:
-    """exp(mean NLL) of ids[PPL_PREFILL:], teacher-forced one token at a time through the compressed cache,
+def perplexity(
+    model, ids: list[int], prefill: int, setup: Setup, future_value: FutureValue | None
+) -> tuple[float, float]:
+    """exp(mean NLL) of ids[prefill:], teacher-forced one token at a time through the compressed cache,
     and the memory kept at the end."""
     request = request_of(setup, PPL_INTERVAL)
     compressor = DynamicKVCompressor(max_cache_size="8GiB", future_value=future_value, **request)
     tokens = torch.tensor([ids])
     nll = 0.0
     with compressor.attached(model):
-        logits = model(input_ids=tokens[:, :PPL_PREFILL], cache=compressor).logits[:, -1]
-        for pos in tqdm(range(PPL_PREFILL, len(ids)), desc="perplexity", unit="tok", leave=False):
+        logits = model(input_ids=tokens[:, :prefill], cache=compressor).logits[:, -1]
+        for pos in tqdm(range(prefill, len(ids)), desc="perplexity", unit="tok", leave=False):
             nll -= torch.log_softmax(logits[0].float(), -1)[ids[pos]].item()
             if pos + 1 < len(ids):
                 compressor(tokens[:, : pos + 1], logits)  # the model's confidence, as generate would report
                 logits = model(input_ids=tokens[:, pos : pos + 1], cache=compressor).logits[:, -1]
         kept = compressor.metrics().compression_ratio
-    return math.exp(nll / (len(ids) - PPL_PREFILL)), kept
+    return math.exp(nll / (len(ids) - prefill)), kept
 
 
 def score(row: Row, texts: dict[str, str], reference: Row | None, tasks: Tasks) -> None:
@@ -218,7 +224,11 @@ def run_peers(args, tasks: Tasks, model_path: Path) -> list[tuple[Setup, dict]]:
                         {"name": c.name, "messages": c.messages, "max_tokens": tasks.max_tokens[c.name]}
                         for c in [*tasks.needles, *tasks.summaries]
                     ],
-                    "perplexity": {"token_ids": tasks.perplexity_ids, "prefill": PPL_PREFILL, "interval": PPL_INTERVAL},
+                    "perplexity": {
+                        "token_ids": tasks.perplexity_ids,
+                        "prefill": tasks.perplexity_prefill,
+                        "interval": PPL_INTERVAL,
+                    },
                 }
             )
         )
@@ -238,8 +248,8 @@ def _peer_label(press: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", type=Path, default=None)
-    parser.add_argument("--needles", type=int, default=12, help="split evenly over 1k, 2k and 3k tokens")
-    parser.add_argument("--summaries", type=int, default=6)
+    parser.add_argument("--needles", type=int, default=9, help="split evenly over 1k, 2k and 3k tokens")
+    parser.add_argument("--summaries", type=int, default=4)
     parser.add_argument("--perplexity-tokens", type=int, default=2048)
     parser.add_argument("--rates", type=float, nargs="+", default=[0.4, 0.6, 0.75, 0.9])
     parser.add_argument("--policies", nargs="+", default=list(DEFAULT_ROWS), help="our rows (labels)")
@@ -250,7 +260,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "quality")
     args = parser.parse_args()
     if args.quick:
-        args.needles, args.summaries, args.perplexity_tokens, args.rates = 3, 2, 512, [0.6]
+        args.needles, args.summaries, args.perplexity_tokens, args.rates = 3, 2, PPL_FORCED + 256, [0.6]
         args.presses = args.presses or ["SnapKV", "ExpectedAttention"]
     torch.set_num_threads(args.threads)
 
@@ -265,7 +275,9 @@ def main() -> None:
         row = Row(setup, seconds=seconds)
         score(row, texts, rows[0] if rows else None, tasks)
         row.memory_kept = statistics.mean(m["compression_ratio"] for m in metrics)
-        row.perplexity, row.perplexity_memory_kept = perplexity(model, tasks.perplexity_ids, setup, future_value)
+        row.perplexity, row.perplexity_memory_kept = perplexity(
+            model, tasks.perplexity_ids, tasks.perplexity_prefill, setup, future_value
+        )
         rows.append(row)
         _log(row)
     if args.peers:
@@ -303,8 +315,9 @@ def report(rows: list[Row], args, tasks: Tasks) -> None:
     lines = [
         f"{len(tasks.needles)} needle cases ({', '.join(map(str, lengths))} tokens of text, fact at depths "
         f"0.1-0.9), {len(tasks.summaries)} greedy 48-token summaries of ~800-token passages, perplexity of "
-        f"{len(tasks.perplexity_ids)} tokens ({PPL_PREFILL} prefilled, then teacher-forced, compressed every "
-        f"{PPL_INTERVAL}); default model, fp32, {args.threads} CPU threads. Each cell: score (memory kept). "
+        f"{len(tasks.perplexity_ids)} tokens ({tasks.perplexity_prefill} prefilled, the rest teacher-forced, "
+        f"compressed every {PPL_INTERVAL}); default model, fp32, {args.threads} CPU threads. "
+        "Each cell: score (memory kept). "
         "Memory kept is measured for ours (compressed / uncompressed bytes), 1 - compression_ratio for kvpress. "
         "Needle and fidelity scores are against each library's own uncompressed run.",
     ]

@@ -22,19 +22,19 @@ def test_teacher_forced_perplexity_through_the_uncompressed_cache_is_the_models(
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([ids])).logits[0].float()
     nll = -torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-    want = math.exp(nll[quality.PPL_PREFILL - 1 :].mean().item())
+    want = math.exp(nll[256 - 1 :].mean().item())
 
-    got, kept = quality.perplexity(model, ids, Setup("uncompressed", "auto", "none", 0.0), None)
+    got, kept = quality.perplexity(model, ids, 256, Setup("uncompressed", "auto", "none", 0.0), None)
     assert got == pytest.approx(want, rel=1e-4)
     assert kept >= 1.0
-    squeezed, kept = quality.perplexity(model, ids, Setup("uniform int4", "int4", "none", 0.0), None)
+    squeezed, kept = quality.perplexity(model, ids, 256, Setup("uniform int4", "int4", "none", 0.0), None)
     assert squeezed != pytest.approx(want, rel=1e-4) and kept < 0.3
 
 
 def _tasks() -> Tasks:
     needles = [NeedleCase(f"n{i}", [], "pelican-42", length, 0.5) for i, length in enumerate((1000, 1000, 2000, 2000))]
     summaries = [FidelityCase("s0", []), FidelityCase("s1", [])]
-    return Tasks(needles, summaries, {}, {}, [])
+    return Tasks(needles, summaries, {}, {}, list(range(quality.PPL_FORCED + 1)))
 
 
 def test_scores_are_relative_to_the_reference_per_needle_length():
@@ -63,7 +63,7 @@ def test_kvpress_results_come_back_as_rows_scored_against_kvpress_uncompressed(t
         "args = sys.argv[1:]\n"
         "cases = json.load(open(args[args.index('--cases') + 1]))\n"
         "assert [c['max_tokens'] for c in cases['cases']] == [16, 16, 16, 16, 48, 48]\n"
-        "assert cases['perplexity']['prefill'] == 256 and args[args.index('--rates') + 1] == '0.6'\n"
+        "assert cases['perplexity']['prefill'] == 1 and args[args.index('--rates') + 1] == '0.6'\n"
         "good = {'n0': 'pelican-42', 'n1': 'pelican-42', 'n2': 'pelican-42', 'n3': 'pelican-42',\n"
         "        's0': 'a b c d e', 's1': 'a b c d e'}\n"
         "runs = [{'press': 'none', 'rate': 0.0, 'outputs': good, 'perplexity': 9.0, 'seconds': 1.0},\n"
