@@ -44,6 +44,12 @@ class CompressionConfig(BaseModel):
     compression_interval: int = Field(16, ge=1, description="decode steps between compressions")
     score_interval: int = Field(4, ge=1, description="decode steps between attention observations")
     prediction_window: int = Field(128, ge=1, description="future tokens the value predictor looks ahead")
+    prediction_refresh: int = Field(
+        2,
+        ge=1,
+        description="compressions between runs of the value predictor over every entry; in between it "
+        "predicts only entries it has not seen and the others keep their forecast",
+    )
     observation_window: int = Field(32, ge=1, description="last prompt queries observed at the end of prefill")
     sink_tokens: int = Field(4, ge=0, description="first tokens never dropped (attention sinks)")
     recent_window: int = Field(32, ge=0, description="most recent tokens never dropped")
@@ -94,6 +100,7 @@ class CompressionParams:
     attention_decay: float
     confident_extra_rate: float
     kv_cache_dtype: str = "auto"  # storage precision of FULL entries
+    prediction_refresh: int = 2  # compressions between full runs of the value predictor
     value_predictor: bool = True  # dynamic: score by the predictor's future attention, when one is loaded
     stats: bool = False  # the client asked for compression_metrics: keep an audit of dropped keys
     seed: int = 0
@@ -133,6 +140,7 @@ def resolve(config: CompressionConfig, request: dict | None, server_enabled: boo
         recent_window=config.recent_window,
         attention_decay=config.attention_decay,
         confident_extra_rate=config.confident_extra_rate,
+        prediction_refresh=config.prediction_refresh,
         kv_cache_dtype=storage if enabled else "auto",
         value_predictor=request.get("value_predictor") is not False,
         stats=stats,

@@ -63,6 +63,7 @@ class SequenceState:
     audit: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> dropped keys
     misses: dict[int, Dropped] = field(default_factory=dict)  # layer -> dropped entries the predictor ranked
     confidences: list[float] = field(default_factory=list)  # top-token probability of each generated token
+    predictions: int = 0  # compressions the value predictor ran for
 
     def reset_cache_state(self) -> None:
         """After preemption the cache is rebuilt from scratch."""
@@ -70,6 +71,7 @@ class SequenceState:
         self.steps_since_compression = 0
         self.audit.clear()
         self.misses.clear()
+        self.predictions = 0
 
 
 class CompressionEngine:
@@ -278,9 +280,15 @@ class CompressionEngine:
         for seq, state in due:
             layers = self._over_budget(seq.seq_id, *self._budget(seq.seq_id, seq.num_computed, state))
             if layers:
-                confidence = self._token_confidence(state, seq.num_computed)
-                jobs.append(PredictionJob(seq.seq_id, seq.num_computed, confidence, layers))
+                jobs.append(self._prediction_job(seq.seq_id, seq.num_computed, state, layers))
         return self.future_value.predict(self.store, jobs) if jobs else {}
+
+    def _prediction_job(self, seq_id: int, num_tokens: int, state: SequenceState, layers: list[int]) -> PredictionJob:
+        # Every entry every `prediction_refresh` compressions, else only the new ones; misses are logged
+        # with the features of every dropped entry, so then always every entry.
+        refresh = self._logs_misses(state) or state.predictions % state.params.prediction_refresh == 0
+        state.predictions += 1
+        return PredictionJob(seq_id, num_tokens, self._token_confidence(state, num_tokens), layers, refresh)
 
     def compress(
         self, seq_id: int, num_tokens: int, state: SequenceState, predicted: dict[int, Forecast] | None = None
@@ -293,8 +301,9 @@ class CompressionEngine:
         if not layers:
             return  # nothing to remove: attention is still observed (traces, scores for later)
         if predicted is None and self._uses_predictor(state):
-            job = PredictionJob(seq_id, num_tokens, self._token_confidence(state, num_tokens), layers)
-            predicted = self.future_value.predict(store, [job])[seq_id]
+            predicted = self.future_value.predict(store, [self._prediction_job(seq_id, num_tokens, state, layers)])[
+                seq_id
+            ]
         confidence = self._token_confidence(state, num_tokens)
         for layer in layers:
             kv = store.layer(seq_id, layer)

@@ -15,8 +15,8 @@ bytes back. Layers of one sequence may hold different tokens; each keeps its ent
 
 The account counts every tensor that holds keys or values (capacity, not just the filled part),
 their quantisation scales included. Positions and observed attention (8 bytes a token and layer,
-not KV; with the value predictor, 2 more per kept observation and 2 for the key norm) are
-bookkeeping and are not counted.
+not KV; with the value predictor, 2 more per kept observation, 2 for the key norm and 4 for the
+latest forecast) are bookkeeping and are not counted.
 """
 
 from __future__ import annotations
@@ -97,6 +97,7 @@ class LayerKV:
     # For the value predictor only: the latest observations (oldest first) and each key's norm.
     observed: torch.Tensor | None = None  # [history_steps, capacity] fp16
     key_norm: torch.Tensor | None = None  # [capacity] fp16, mean over heads, taken before quantisation
+    forecast: torch.Tensor | None = None  # [capacity] float32 predicted future attention, NaN until predicted
     ko_values: Quantized | None = None
     length: int = 0
     num_key_only: int = 0
@@ -303,6 +304,7 @@ class KVStore:
         if layer.observed is not None:
             layer.observed[:, start : start + n] = 0.0
             layer.key_norm[start : start + n] = keys.float().norm(dim=-1).mean(dim=0)
+            layer.forecast[start : start + n] = float("nan")
         layer.length += n
 
     def view(self, seq_id: int, layer_idx: int) -> LayerView:
@@ -407,6 +409,7 @@ class KVStore:
         if layer.observed is not None:
             rebuilt.observed[:, :n] = layer.observed.index_select(1, order)
             rebuilt.key_norm[:n] = layer.key_norm.index_select(0, order)
+            rebuilt.forecast[:n] = layer.forecast.index_select(0, order)
         full_slots = keep_full - layer.num_key_only  # FULL entry i has its value at slot i - num_key_only
         rebuilt.values[:, :n_full] = layer.values.index_select(1, full_slots)
         if layer.value_params is not None:
@@ -448,6 +451,7 @@ class KVStore:
             if self.history_steps
             else None,
             key_norm=torch.zeros(key_capacity, dtype=torch.float16, device=self.device) if self.history_steps else None,
+            forecast=torch.full((key_capacity,), float("nan"), device=self.device) if self.history_steps else None,
         )
 
     def _resize(self, codec: Codec, layer: LayerKV, key_capacity: int, value_capacity: int) -> None:
@@ -463,11 +467,12 @@ class KVStore:
         if layer.observed is not None:
             grown.observed[:, :n] = layer.observed[:, :n]
             grown.key_norm[:n] = layer.key_norm[:n]
+            grown.forecast[:n] = layer.forecast[:n]
         before = layer.nbytes
         layer.keys, layer.key_params = grown.keys, grown.key_params
         layer.values, layer.value_params = grown.values, grown.value_params
         layer.positions, layer.attention = grown.positions, grown.attention
-        layer.observed, layer.key_norm = grown.observed, grown.key_norm
+        layer.observed, layer.key_norm, layer.forecast = grown.observed, grown.key_norm, grown.forecast
         self.used_bytes += layer.nbytes - before
 
 

@@ -99,3 +99,25 @@ def test_accounting_matches_tensors_and_budget(ops, budget_tokens):
     for seq_id in range(5):
         store.free(seq_id)
     assert store.used_bytes == 0
+
+
+def test_the_predictors_bookkeeping_follows_its_entries_through_compaction_and_growth():
+    store = KVStore(num_layers=3, num_kv_heads=2, head_dim=4, max_bytes=10**7, history_steps=2)
+    fill(store, 1, 10)
+    kv = store.layer(1, 0)
+    assert kv.forecast[:10].isnan().all()  # nothing predicted yet
+    kv.forecast[:10] = torch.arange(10, dtype=torch.float32)
+    kv.observed[:, :10] = torch.arange(10, dtype=torch.float16)
+    store.retier(1, 0, keep_full=torch.tensor([1, 4, 7]), keep_key_only=torch.tensor([8, 2]))
+    kv = store.layer(1, 0)
+    order = kv.positions[: kv.length].tolist()  # KEY_ONLY entries first, then FULL ones
+    assert kv.forecast[: kv.length].tolist() == order
+    assert kv.observed[1, : kv.length].tolist() == order
+    assert kv.key_norm[: kv.length].tolist() == pytest.approx([store_key_norm(p) for p in order], rel=1e-2)
+    fill(store, 1, 2 * GROWTH_CHUNK, start=10)  # grows the layer
+    kv = store.layer(1, 0)
+    assert kv.forecast[:5].tolist() == order and kv.forecast[5 : kv.length].isnan().all()
+
+
+def store_key_norm(position: int) -> float:
+    return float(torch.full((4,), float(position)).norm())  # fill(): every component of key p is p

@@ -31,7 +31,8 @@ class Forecast:
     """For the held entries of one layer: predicted future attention, and the features it read."""
 
     value: torch.Tensor  # [n] attention mass over the coming prediction_window steps
-    windows: torch.Tensor  # [n, T, F]
+    windows: torch.Tensor  # [m, T, F] the features of the entries predicted this time
+    entries: torch.Tensor  # [m] which those are (all n when the job refreshed)
 
 
 @dataclass
@@ -40,6 +41,7 @@ class PredictionJob:
     num_tokens: int  # tokens whose KV is computed; the newest query sits at num_tokens - 1
     token_confidence: torch.Tensor  # [num_tokens + 1] by position
     layers: list[int]  # the layers to predict
+    refresh: bool = True  # every entry; otherwise only those without a forecast yet
 
 
 class FutureValue:
@@ -54,33 +56,53 @@ class FutureValue:
 
     @torch.inference_mode()
     def predict(self, store: KVStore, jobs: list[PredictionJob]) -> dict[int, dict[int, Forecast]]:
-        """Per sequence, by layer: the attention mass each held entry is predicted to receive."""
-        windows, sizes = [], []
+        """Per sequence, by layer: the attention mass each held entry is predicted to receive.
+
+        The forecasts are kept with the entries: a job that does not refresh predicts only the entries
+        that have none (new since the last refresh, or in a layer not predicted before)."""
+        windows, entries, layers = [], [], []
         offsets = self.score_interval * torch.arange(self.history_steps - 1, -1, -1, device=store.device)
         for job in jobs:
             queries = job.num_tokens - 1 - offsets
             for layer in job.layers:
                 kv = store.layer(job.seq_id, layer)
                 n = kv.length
-                positions = kv.positions[:n]
+                todo = torch.arange(n, device=store.device)
+                if not job.refresh:
+                    todo = todo[kv.forecast[:n].isnan()]
+                positions = kv.positions[todo]
                 windows.append(
                     window_features(
-                        kv.observed[:, :n],
-                        kv.attention[:n],
+                        kv.observed[:, todo],
+                        kv.attention[todo],
                         positions,
                         queries,
                         job.token_confidence[positions],
-                        kv.key_norm[:n],
+                        kv.key_norm[todo],
                         layer,
                         store.num_layers,
                     )
                 )
-                sizes.append(n)
-        if not windows:
-            return {}
-        predicted = unscaled_attention(self.predictor(torch.cat(windows)).float()).split(sizes)
-        forecasts = iter(Forecast(value, window) for value, window in zip(predicted, windows, strict=True))
-        return {job.seq_id: {layer: next(forecasts) for layer in job.layers} for job in jobs}
+                entries.append(todo)
+                layers.append(kv)
+        rows = torch.cat(windows) if windows else None
+        if rows is None or not len(rows):
+            return {job.seq_id: {layer: self._kept(store, job.seq_id, layer) for layer in job.layers} for job in jobs}
+        predicted = unscaled_attention(self.predictor(rows).float())
+        forecasts = []
+        for kv, todo, window, value in zip(
+            layers, entries, windows, predicted.split([len(e) for e in entries]), strict=True
+        ):
+            kv.forecast[todo] = value
+            forecasts.append(Forecast(kv.forecast[: kv.length].clone(), window, todo))
+        ordered = iter(forecasts)
+        return {job.seq_id: {layer: next(ordered) for layer in job.layers} for job in jobs}
+
+    def _kept(self, store: KVStore, seq_id: int, layer: int) -> Forecast:
+        """The forecast held for a layer whose entries all have one."""
+        kv = store.layer(seq_id, layer)
+        empty = torch.empty(0, dtype=torch.long, device=store.device)
+        return Forecast(kv.forecast[: kv.length].clone(), torch.empty(0, 0, 0, device=store.device), empty)
 
 
 def predictor_path(model_path: Path | None) -> Path:
