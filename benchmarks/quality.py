@@ -210,7 +210,7 @@ def _needle_accuracy(needles: list, texts: dict[str, str], length: int) -> float
     return statistics.mean(c.correct(texts[c.name]) for c in needles if c.context_tokens == length)
 
 
-def run_peers(args, tasks: Tasks, model_path: Path) -> list[tuple[Setup, dict]]:
+def run_peers(args, tasks: Tasks, model_path: Path | None) -> list[tuple[Setup, dict]]:
     """kvpress's presses in their own environment (make bench-peers); its raw outputs per setup."""
     if not PEERS_PYTHON.exists():
         raise SystemExit(f"{PEERS_PYTHON} is missing: run `make bench-peers` (it builds kvpress's environment)")
@@ -219,7 +219,7 @@ def run_peers(args, tasks: Tasks, model_path: Path) -> list[tuple[Setup, dict]]:
         cases.write_text(
             json.dumps(
                 {
-                    "model_path": str(model_path),
+                    "model_path": str(model_path or default_model_path()),
                     "cases": [
                         {"name": c.name, "messages": c.messages, "max_tokens": tasks.max_tokens[c.name]}
                         for c in [*tasks.needles, *tasks.summaries]
@@ -237,7 +237,10 @@ def run_peers(args, tasks: Tasks, model_path: Path) -> list[tuple[Setup, dict]]:
         command += ["--rates", *map(str, args.rates), "--threads", str(args.threads)]
         command += ["--presses", *args.presses] if args.presses else []
         subprocess.run(command, check=True)
-        runs = json.loads(out.read_text())["runs"]
+        return _peer_setups(json.loads(out.read_text())["runs"])
+
+
+def _peer_setups(runs: list[dict]) -> list[tuple[Setup, dict]]:
     return [(Setup(_peer_label(r["press"]), "auto", r["press"], r["rate"], source="kvpress"), r) for r in runs]
 
 
@@ -255,6 +258,10 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=list(DEFAULT_ROWS), help="our rows (labels)")
     parser.add_argument("--peers", action="store_true", help="also run kvpress's presses (make bench-peers)")
     parser.add_argument("--presses", nargs="+", default=None, help="kvpress presses (default: all)")
+    parser.add_argument("--ours-from", type=Path, default=None, help="our rows from a saved quality.json")
+    parser.add_argument(
+        "--peers-from", type=Path, nargs="+", default=None, help="kvpress runner outputs to score (no rerun)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS / "quality")
@@ -269,6 +276,22 @@ def main() -> None:
     future_value = load_future_value(predictor_path(args.model_path), model.config, torch.device("cpu"), interval)
     tasks = build_tasks(tokenizer, args.needles, args.summaries, args.perplexity_tokens)
 
+    rows = load_rows(args.ours_from) if args.ours_from else run_ours(args, model, tokenizer, tasks, future_value)
+    if args.peers or args.peers_from:
+        runs = read_peers(args.peers_from) if args.peers_from else run_peers(args, tasks, args.model_path)
+        reference: Row | None = None
+        for setup, run in runs:
+            kept = 1.0 - setup.rate
+            row = Row(setup, perplexity=run["perplexity"], memory_kept=kept, perplexity_memory_kept=kept)
+            row.seconds = run["seconds"]
+            score(row, run["outputs"], reference, tasks)
+            reference = reference or row
+            rows.append(row)
+            _log(row)
+    report(rows, args, tasks)
+
+
+def run_ours(args, model, tokenizer, tasks: Tasks, future_value: FutureValue | None) -> list[Row]:
     rows: list[Row] = []
     for setup in tqdm(setups(args.rates, tuple(args.policies)), desc="our setups", unit="setup"):
         texts, metrics, seconds = run_setup(model, tokenizer, setup, tasks, future_value)
@@ -280,17 +303,27 @@ def main() -> None:
         )
         rows.append(row)
         _log(row)
-    if args.peers:
-        reference: Row | None = None
-        for setup, run in run_peers(args, tasks, args.model_path or default_model_path()):
-            kept = 1.0 - setup.rate
-            row = Row(setup, perplexity=run["perplexity"], memory_kept=kept, perplexity_memory_kept=kept)
-            row.seconds = run["seconds"]
-            score(row, run["outputs"], reference, tasks)
-            reference = reference or row
-            rows.append(row)
-            _log(row)
-    report(rows, args, tasks)
+    return rows
+
+
+def load_rows(path: Path) -> list[Row]:
+    """Our rows as a previous run saved them (quality.json)."""
+    rows = []
+    for saved in json.loads(path.read_text())["rows"]:
+        if saved["setup"]["source"] != "ours":
+            continue
+        saved["needle_by_length"] = {int(k): v for k, v in saved["needle_by_length"].items()}
+        rows.append(Row(**{**saved, "setup": Setup(**saved["setup"])}))
+    return rows
+
+
+def read_peers(paths: list[Path]) -> list[tuple[Setup, dict]]:
+    """kvpress runner outputs, merged: one uncompressed run (the first), each (press, rate) once."""
+    merged: dict[tuple[str, float], dict] = {}
+    for path in paths:
+        for run in json.loads(path.read_text())["runs"]:
+            merged.setdefault((run["press"], run["rate"]), run)
+    return _peer_setups(list(merged.values()))
 
 
 def _log(row: Row) -> None:

@@ -94,3 +94,26 @@ def test_kvpress_results_come_back_as_rows_scored_against_kvpress_uncompressed(t
     assert "| dynamic | 9.10 (0.00) |" in table  # perplexity column
     assert json.loads(out.with_suffix(".json").read_text())["rows"][2]["setup"]["source"] == "kvpress"
     assert all(out.with_name(f"quality_{task}.png").stat().st_size > 0 for task in quality.TASKS)
+
+
+def test_saved_results_are_read_back_for_a_new_report(tmp_path):
+    ours = Row(
+        Setup("dynamic", "int8", "dynamic", 0.6), needle_by_length={1000: 1.0, 2000: 1.0}, rouge_l=0.9, perplexity=9.0
+    )
+    theirs = Row(
+        Setup("kvpress SnapKV", "auto", "SnapKV", 0.6, source="kvpress"), needle_by_length={1000: 0.5, 2000: 0.0}
+    )
+    quality.report([ours, theirs], Namespace(threads=1, out=tmp_path / "quality"), _tasks())
+    assert quality.load_rows(tmp_path / "quality.json") == [ours]  # kvpress rows are re-scored, not read
+
+    def runs(*pairs):
+        return {"runs": [{"press": p, "rate": r, "outputs": {}, "perplexity": x, "seconds": 1.0} for p, r, x in pairs]}
+
+    (tmp_path / "a.json").write_text(json.dumps(runs(("none", 0.0, 9.0), ("SnapKV", 0.6, 9.5))))
+    (tmp_path / "b.json").write_text(json.dumps(runs(("none", 0.0, 9.1), ("TOVA", 0.6, 9.7), ("SnapKV", 0.6, 1.0))))
+    merged = quality.read_peers([tmp_path / "a.json", tmp_path / "b.json"])
+    assert [(s.label, run["perplexity"]) for s, run in merged] == [
+        ("kvpress uncompressed", 9.0),
+        ("kvpress SnapKV", 9.5),
+        ("kvpress TOVA", 9.7),
+    ]
