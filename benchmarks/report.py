@@ -12,6 +12,14 @@ def save_report(out: Path, title: str, table: str, data: dict, args: argparse.Na
     print(table)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(f"# {title}\n\n{table}\n")
-    # Arguments as text, without the output path (it would name this machine's folders).
-    settings = {"args": {k: str(v) for k, v in vars(args).items() if k != "out"}} if args is not None else {}
+    # Arguments as text, files by name only (a full path would name this machine's folders).
+    settings = {"args": {k: _text(v) for k, v in vars(args).items() if k != "out"}} if args is not None else {}
     out.with_suffix(".json").write_text(json.dumps({**settings, **data}, indent=2))
+
+
+def _text(value: object) -> str:
+    if isinstance(value, Path):
+        return value.name
+    if isinstance(value, list) and value and all(isinstance(v, Path) for v in value):
+        return str([v.name for v in value])
+    return str(value)
