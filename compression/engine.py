@@ -301,9 +301,8 @@ class CompressionEngine:
         if not layers:
             return  # nothing to remove: attention is still observed (traces, scores for later)
         if predicted is None and self._uses_predictor(state):
-            predicted = self.future_value.predict(store, [self._prediction_job(seq_id, num_tokens, state, layers)])[
-                seq_id
-            ]
+            job = self._prediction_job(seq_id, num_tokens, state, layers)
+            predicted = self.future_value.predict(store, [job])[seq_id]
         confidence = self._token_confidence(state, num_tokens)
         for layer in layers:
             kv = store.layer(seq_id, layer)

@@ -31,8 +31,7 @@ class Forecast:
     """For the held entries of one layer: predicted future attention, and the features it read."""
 
     value: torch.Tensor  # [n] attention mass over the coming prediction_window steps
-    windows: torch.Tensor  # [m, T, F] the features of the entries predicted this time
-    entries: torch.Tensor  # [m] which those are (all n when the job refreshed)
+    windows: torch.Tensor  # [m, T, F] the features of the entries predicted this time (all n on a refresh)
 
 
 @dataclass
@@ -60,16 +59,14 @@ class FutureValue:
 
         The forecasts are kept with the entries: a job that does not refresh predicts only the entries
         that have none (new since the last refresh, or in a layer not predicted before)."""
-        windows, entries, layers = [], [], []
+        windows, targets = [], []
         offsets = self.score_interval * torch.arange(self.history_steps - 1, -1, -1, device=store.device)
         for job in jobs:
             queries = job.num_tokens - 1 - offsets
             for layer in job.layers:
                 kv = store.layer(job.seq_id, layer)
                 n = kv.length
-                todo = torch.arange(n, device=store.device)
-                if not job.refresh:
-                    todo = todo[kv.forecast[:n].isnan()]
+                todo = slice(0, n) if job.refresh else kv.forecast[:n].isnan().nonzero().squeeze(1)
                 positions = kv.positions[todo]
                 windows.append(
                     window_features(
@@ -83,26 +80,17 @@ class FutureValue:
                         store.num_layers,
                     )
                 )
-                entries.append(todo)
-                layers.append(kv)
-        rows = torch.cat(windows) if windows else None
-        if rows is None or not len(rows):
-            return {job.seq_id: {layer: self._kept(store, job.seq_id, layer) for layer in job.layers} for job in jobs}
-        predicted = unscaled_attention(self.predictor(rows).float())
+                targets.append((kv, todo))
+        if not windows:
+            return {}
+        rows = torch.cat(windows)
+        predicted = unscaled_attention(self.predictor(rows).float()) if len(rows) else rows.new_zeros(0)
         forecasts = []
-        for kv, todo, window, value in zip(
-            layers, entries, windows, predicted.split([len(e) for e in entries]), strict=True
-        ):
+        for (kv, todo), window, value in zip(targets, windows, predicted.split([len(w) for w in windows]), strict=True):
             kv.forecast[todo] = value
-            forecasts.append(Forecast(kv.forecast[: kv.length].clone(), window, todo))
+            forecasts.append(Forecast(kv.forecast[: kv.length].clone(), window))
         ordered = iter(forecasts)
         return {job.seq_id: {layer: next(ordered) for layer in job.layers} for job in jobs}
-
-    def _kept(self, store: KVStore, seq_id: int, layer: int) -> Forecast:
-        """The forecast held for a layer whose entries all have one."""
-        kv = store.layer(seq_id, layer)
-        empty = torch.empty(0, dtype=torch.long, device=store.device)
-        return Forecast(kv.forecast[: kv.length].clone(), torch.empty(0, 0, 0, device=store.device), empty)
 
 
 def predictor_path(model_path: Path | None) -> Path:
