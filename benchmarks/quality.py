@@ -21,6 +21,7 @@ Results: benchmarks/results/quality.{json,md} and one plot per task, quality_<ta
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -210,8 +212,10 @@ def _needle_accuracy(needles: list, texts: dict[str, str], length: int) -> float
     return statistics.mean(c.correct(texts[c.name]) for c in needles if c.context_tokens == length)
 
 
-def run_peers(args, tasks: Tasks, model_path: Path | None) -> list[tuple[Setup, dict]]:
-    """kvpress's presses in their own environment (make bench-peers); its raw outputs per setup."""
+@contextlib.contextmanager
+def peers_alongside(args, tasks: Tasks, threads: int) -> Iterator[Callable[[], list[tuple[Setup, dict]]]]:
+    """kvpress's presses in their own environment (make bench-peers), running while our setups run;
+    yields a function that waits for its raw outputs per setup. Stopped if our side fails."""
     if not PEERS_PYTHON.exists():
         raise SystemExit(f"{PEERS_PYTHON} is missing: run `make bench-peers` (it builds kvpress's environment)")
     with tempfile.TemporaryDirectory() as tmp:
@@ -219,7 +223,7 @@ def run_peers(args, tasks: Tasks, model_path: Path | None) -> list[tuple[Setup, 
         cases.write_text(
             json.dumps(
                 {
-                    "model_path": str(model_path or default_model_path()),
+                    "model_path": str(args.model_path or default_model_path()),
                     "cases": [
                         {"name": c.name, "messages": c.messages, "max_tokens": tasks.max_tokens[c.name]}
                         for c in [*tasks.needles, *tasks.summaries]
@@ -234,10 +238,21 @@ def run_peers(args, tasks: Tasks, model_path: Path | None) -> list[tuple[Setup, 
         )
         out = Path(tmp) / "peers.json"
         command = [str(PEERS_PYTHON), str(PEERS_RUNNER), "--cases", str(cases), "--out", str(out)]
-        command += ["--rates", *map(str, args.rates), "--threads", str(args.threads)]
+        command += ["--rates", *map(str, args.rates), "--threads", str(threads), "--position", "2"]
         command += ["--presses", *args.presses] if args.presses else []
-        subprocess.run(command, check=True)
-        return _peer_setups(json.loads(out.read_text())["runs"])
+        runner = subprocess.Popen(command)
+
+        def result() -> list[tuple[Setup, dict]]:
+            if runner.wait() != 0:
+                raise SystemExit(f"the kvpress runner failed (exit {runner.returncode}); its error is above")
+            return _peer_setups(json.loads(out.read_text())["runs"])
+
+        try:
+            yield result
+        finally:
+            if runner.poll() is None:
+                runner.kill()
+                runner.wait()
 
 
 def _peer_setups(runs: list[dict]) -> list[tuple[Setup, dict]]:
@@ -269,25 +284,19 @@ def main() -> None:
     if args.quick:
         args.needles, args.summaries, args.perplexity_tokens, args.rates = 3, 2, PPL_FORCED + 256, [0.6]
         args.presses = args.presses or ["SnapKV", "ExpectedAttention"]
-    torch.set_num_threads(args.threads)
+    # With kvpress alongside, each side gets half the threads: the two run at the same time.
+    peers_threads = max(1, args.threads // 2) if args.peers else 0
+    torch.set_num_threads(max(1, args.threads - peers_threads))
 
     model, tokenizer = load_model(args.model_path, torch.device("cpu"))
     interval = CompressionConfig().score_interval
     future_value = load_future_value(predictor_path(args.model_path), model.config, torch.device("cpu"), interval)
     tasks = build_tasks(tokenizer, args.needles, args.summaries, args.perplexity_tokens)
 
-    rows = load_rows(args.ours_from) if args.ours_from else run_ours(args, model, tokenizer, tasks, future_value)
-    if args.peers or args.peers_from:
-        runs = read_peers(args.peers_from) if args.peers_from else run_peers(args, tasks, args.model_path)
-        reference: Row | None = None
-        for setup, run in runs:
-            kept = 1.0 - setup.rate
-            row = Row(setup, perplexity=run["perplexity"], memory_kept=kept, perplexity_memory_kept=kept)
-            row.seconds = run["seconds"]
-            score(row, run["outputs"], reference, tasks)
-            reference = reference or row
-            rows.append(row)
-            _log(row)
+    with peers_alongside(args, tasks, peers_threads) if args.peers else contextlib.nullcontext() as peers:
+        rows = load_rows(args.ours_from) if args.ours_from else run_ours(args, model, tokenizer, tasks, future_value)
+        runs = peers() if peers else read_peers(args.peers_from) if args.peers_from else []
+    rows += peer_rows(runs, tasks)
     report(rows, args, tasks)
 
 
@@ -301,6 +310,19 @@ def run_ours(args, model, tokenizer, tasks: Tasks, future_value: FutureValue | N
         row.perplexity, row.perplexity_memory_kept = perplexity(
             model, tasks.perplexity_ids, tasks.perplexity_prefill, setup, future_value
         )
+        rows.append(row)
+        _log(row)
+    return rows
+
+
+def peer_rows(runs: list[tuple[Setup, dict]], tasks: Tasks) -> list[Row]:
+    """kvpress's outputs scored as ours are, against kvpress's own uncompressed run (the first)."""
+    rows: list[Row] = []
+    for setup, run in runs:
+        kept = 1.0 - setup.rate
+        row = Row(setup, perplexity=run["perplexity"], memory_kept=kept, perplexity_memory_kept=kept)
+        row.seconds = run["seconds"]
+        score(row, run["outputs"], rows[0] if rows else None, tasks)
         rows.append(row)
         _log(row)
     return rows
@@ -349,7 +371,7 @@ def report(rows: list[Row], args, tasks: Tasks) -> None:
         f"{len(tasks.needles)} needle cases ({', '.join(map(str, lengths))} tokens of text, fact at depths "
         f"0.1-0.9), {len(tasks.summaries)} greedy 48-token summaries of ~800-token passages, perplexity of "
         f"{len(tasks.perplexity_ids)} tokens ({tasks.perplexity_prefill} prefilled, the rest teacher-forced, "
-        f"compressed every {PPL_INTERVAL}); default model, fp32, {args.threads} CPU threads. "
+        f"compressed every {PPL_INTERVAL}); default model, fp32, {_threads(args)}. "
         "Each cell: score (memory kept). "
         "Memory kept is measured for ours (compressed / uncompressed bytes), 1 - compression_ratio for kvpress. "
         "Needle and fidelity scores are against each library's own uncompressed run.",
@@ -376,6 +398,12 @@ def report(rows: list[Row], args, tasks: Tasks) -> None:
     save_report(args.out, "Quality benchmark", "\n".join(lines), {"rows": [asdict(r) for r in rows]}, args)
     for key in TASKS:
         plot(rows, key, args.out.with_name(f"{args.out.name}_{key}.png"))
+
+
+def _threads(args) -> str:
+    if args.peers:
+        return f"{args.threads} CPU threads shared by our setups and kvpress's, which run at the same time"
+    return f"{args.threads} CPU threads"
 
 
 def _cell(row: Row, attr: str) -> str:

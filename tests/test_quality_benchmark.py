@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import time
 from argparse import Namespace
 from pathlib import Path
 
@@ -34,7 +36,8 @@ def test_teacher_forced_perplexity_through_the_uncompressed_cache_is_the_models(
 def _tasks() -> Tasks:
     needles = [NeedleCase(f"n{i}", [], "pelican-42", length, 0.5) for i, length in enumerate((1000, 1000, 2000, 2000))]
     summaries = [FidelityCase("s0", []), FidelityCase("s1", [])]
-    return Tasks(needles, summaries, {}, {}, list(range(quality.PPL_FORCED + 1)))
+    max_tokens = {c.name: 16 for c in needles} | {c.name: 48 for c in summaries}
+    return Tasks(needles, summaries, {}, max_tokens, list(range(quality.PPL_FORCED + 1)))
 
 
 def test_scores_are_relative_to_the_reference_per_needle_length():
@@ -73,27 +76,43 @@ def test_kvpress_results_come_back_as_rows_scored_against_kvpress_uncompressed(t
     monkeypatch.setattr(quality, "PEERS_PYTHON", Path(sys.executable))
     monkeypatch.setattr(quality, "PEERS_RUNNER", runner)
     tasks = _tasks()
-    tasks.max_tokens = {c.name: 16 for c in tasks.needles} | {c.name: 48 for c in tasks.summaries}
-    args = Namespace(rates=[0.6], threads=1, presses=None)
-    runs = quality.run_peers(args, tasks, tmp_path)
+    args = Namespace(rates=[0.6], presses=None, model_path=tmp_path)
+    with quality.peers_alongside(args, tasks, threads=1) as peers:
+        runs = peers()
     assert [setup.label for setup, _ in runs] == ["kvpress uncompressed", "kvpress SnapKV"]
     assert runs[1][0].source == "kvpress" and runs[1][0].rate == 0.6
 
     ours = Row(Setup("dynamic", "int8", "dynamic", 0.6), needle_relative=1.0, memory_kept=0.27, perplexity=9.1)
     ours.needle_by_length = {1000: 1.0, 2000: 1.0}
-    rows = [ours]
-    for setup, run in runs:
-        rows.append(Row(setup, perplexity=run["perplexity"], memory_kept=1 - setup.rate))
-        quality.score(rows[-1], run["outputs"], rows[1] if len(rows) > 2 else None, tasks)
+    rows = [ours, *quality.peer_rows(runs, tasks)]
     assert rows[2].needle_by_length == {1000: 0.5, 2000: 1.0}
 
     out = tmp_path / "quality"
-    quality.report(rows, Namespace(threads=1, out=out), tasks)
+    quality.report(rows, Namespace(threads=1, peers=True, out=out), tasks)
     table = out.with_suffix(".md").read_text()
     assert "| kvpress SnapKV | 75% (0.40) |" in table  # needle: score (memory kept)
     assert "| dynamic | 9.10 (0.00) |" in table  # perplexity column
     assert json.loads(out.with_suffix(".json").read_text())["rows"][2]["setup"]["source"] == "kvpress"
     assert all(out.with_name(f"quality_{task}.png").stat().st_size > 0 for task in quality.TASKS)
+
+
+def test_the_kvpress_runner_is_stopped_when_our_side_fails_and_its_failure_is_reported(tmp_path, monkeypatch):
+    runner = tmp_path / "runner.py"
+    runner.write_text(f"import os, sys, time\nopen({str(tmp_path / 'pid')!r}, 'w').write(str(os.getpid()))\n"
+                      "sys.exit(3) if '--fail' in sys.argv else time.sleep(120)\n")  # fmt: skip
+    monkeypatch.setattr(quality, "PEERS_PYTHON", Path(sys.executable))
+    monkeypatch.setattr(quality, "PEERS_RUNNER", runner)
+    args = Namespace(rates=[0.6], presses=None, model_path=tmp_path)
+    with pytest.raises(RuntimeError), quality.peers_alongside(args, _tasks(), threads=1):
+        while not (tmp_path / "pid").exists():
+            time.sleep(0.05)
+        raise RuntimeError("our side failed")
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "pid").read_text()), 0)  # killed and reaped
+
+    args.presses = ["--fail"]  # lands in the runner's command line
+    with pytest.raises(SystemExit, match="kvpress runner failed"), quality.peers_alongside(args, _tasks(), 1) as peers:
+        peers()
 
 
 def test_saved_results_are_read_back_for_a_new_report(tmp_path):
@@ -103,7 +122,7 @@ def test_saved_results_are_read_back_for_a_new_report(tmp_path):
     theirs = Row(
         Setup("kvpress SnapKV", "auto", "SnapKV", 0.6, source="kvpress"), needle_by_length={1000: 0.5, 2000: 0.0}
     )
-    quality.report([ours, theirs], Namespace(threads=1, out=tmp_path / "quality"), _tasks())
+    quality.report([ours, theirs], Namespace(threads=1, peers=False, out=tmp_path / "quality"), _tasks())
     assert quality.load_rows(tmp_path / "quality.json") == [ours]  # kvpress rows are re-scored, not read
 
     def runs(*pairs):
