@@ -153,8 +153,8 @@ def perplexity(model, spec: dict, setups: list[Setup], position: int) -> dict[Se
             for pos in range(prefill, len(ids)):
                 nll -= torch.log_softmax(logits.float(), -1)[ids[pos]].item()
                 if pos + 1 < len(ids):
-                    step, position = tokens[:, pos : pos + 1], torch.tensor([[pos]])
-                    logits = model(input_ids=step, past_key_values=cache, position_ids=position).logits[0, -1]
+                    step, position_ids = tokens[:, pos : pos + 1], torch.tensor([[pos]])
+                    logits = model(input_ids=step, past_key_values=cache, position_ids=position_ids).logits[0, -1]
         result[setup] = math.exp(nll / (len(ids) - prefill))
     return result
 
