@@ -13,7 +13,8 @@ Uniform int8 and int4 quantisation of every key and value run as their own rows 
 only` without it. Our re-implementations of the classic scorers (tova, snapkv, h2o, ...) are available
 with `--policies`; by default the kvpress presses stand for them.
 
-    python benchmarks/quality.py --peers        # = make bench-quality; 9 needles, 4 summaries, 2k perplexity
+    python benchmarks/quality.py --peers        # = make bench-quality; 9 needles, 4 summaries, 2k perplexity,
+                                                # kvpress alongside: ~45 minutes on 2 cores
     python benchmarks/quality.py --quick        # a few minutes: 3 needles, 2 summaries, rate 0.6
 Results: benchmarks/results/quality.{json,md} and one plot per task, quality_<task>.png.
 """
