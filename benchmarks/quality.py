@@ -428,7 +428,7 @@ def plot(rows: list[Row], key: str, path: Path) -> None:
     for label in dict.fromkeys(r.setup.label for r in rows):
         points = sorted((_memory(r, attr), getattr(r, attr)) for r in rows if r.setup.label == label)
         xs, ys = zip(*points, strict=True)
-        ours = rows and next(r for r in rows if r.setup.label == label).setup.source == "ours"
+        ours = next(r for r in rows if r.setup.label == label).setup.source == "ours"
         style = ("o-" if ours else "x--") if len(points) > 1 else "s"
         ax.plot(xs, ys, style, label=label, linewidth=2.5 if label.startswith("dynamic") else 1.0)
     if not higher:
