@@ -111,7 +111,7 @@ class Metrics:
         self.running.set_function(lambda: engine.num_running)
         self.waiting.set_function(lambda: engine.num_waiting)
         self.kv_memory.set_function(lambda: store.used_bytes + compression.audit_bytes)
-        self.kv_pool.labels("running").set_function(lambda: store.used_bytes - store.parked_bytes)
+        self.kv_pool.labels("running").set_function(lambda: store.running_bytes)
         self.kv_pool.labels("prefix").set_function(lambda: store.parked_bytes)
         self.kv_pool.labels("audit").set_function(lambda: compression.audit_bytes)
         self.kv_capacity.set_function(lambda: store.max_bytes)
@@ -167,6 +167,14 @@ class _EngineCollector(Collector):
         for tier, count in self.store.entry_counts().items():
             entries.add_metric([tier], count)
         yield entries
+        pools = GaugeMetricFamily(
+            "kv_cache_pool_bytes",
+            "Memory of the KV block pools, by storage format: blocks in use and free (pools grow, never shrink)",
+            labels=["format"],
+        )
+        for storage, nbytes in self.store.pool_bytes.items():
+            pools.add_metric([storage], nbytes)
+        yield pools
         evictions = CounterMetricFamily(
             "kv_evictions", "(layer, token) KV entries removed from memory, by reason", labels=["reason"]
         )

@@ -1,16 +1,17 @@
-"""Attention over the tiered KV store, registered with transformers' `AttentionInterface`.
+"""Attention over the block KV store, registered with transformers' `AttentionInterface`.
 
 A forward pass carries a `PackedBatch` keyword argument: the store, the segments of the packed
-token axis that belong to each sequence, and their true positions. For every segment the function
-appends the new keys and values to that sequence's cache and attends the segment's queries to that
-sequence's entries only. A plain SDPA call serves sequences with only FULL entries and nothing to
-observe; otherwise probabilities are computed explicitly, so that KEY_ONLY values can be
-dequantised, attention can be reported for scoring, and recall can be audited against dropped keys.
+token axis that belong to each sequence, and their true positions. The store plans the step once
+(where every new entry goes, which rows decode); then in every layer the new keys and values are
+written into their blocks, all decode rows (one-token segments) go through one call of the paged
+decode kernel, which reads the blocks in place and reports observed attention on the way, and
+each prefill chunk attends to its sequence's entries, gathered, through SDPA (or explicitly, where
+KEY_ONLY values, observation or an audit of dropped keys need the probabilities).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -19,8 +20,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from compression.kv_store import KVStore, LayerView
-from compression.quant import dequantize
+from compression import paged_attention
+from compression.kv_store import KVStore, LayerView, StepPlan
 
 ATTENTION_NAME = "conf_kv_packed"
 
@@ -30,6 +31,9 @@ class AttentionObserver(Protocol):
 
     def on_attention(self, seq_id: int, layer: int, rows: torch.Tensor) -> None:
         """rows [observed queries, held]: attention each held entry received from each query, mean over heads."""
+
+    def on_decode_attention(self, layer: int, seq_ids: list[int], rows: torch.Tensor) -> None:
+        """rows [sequences, width]: the attention of each sequence's one decode query, zero past its entries."""
 
     def audit_keys(self, seq_id: int, layer: int) -> torch.Tensor | None:
         """Keys [kv_heads, n, head_dim] this sequence dropped in this layer, or None."""
@@ -60,6 +64,15 @@ class PackedBatch:
     segments: list[Segment]
     positions: torch.Tensor  # [num_tokens]
     observer: AttentionObserver | None = None
+    plan: StepPlan = field(init=False)
+    observed: list[int] = field(init=False)  # sequences whose decode row is observed, in the kernel's order
+    audited: list[tuple[int, Segment]] = field(init=False)  # decode rows audited, with their segments
+
+    def __post_init__(self) -> None:
+        self.plan = self.store.begin_step(self.segments, self.positions)
+        decoding = [seg for seg in self.segments if seg.num_tokens == 1]
+        self.observed = [seg.seq_id for seg in decoding if seg.observe]
+        self.audited = [(row, seg) for row, seg in enumerate(decoding) if seg.audit]
 
 
 def packed_kv_attention(
@@ -81,24 +94,56 @@ def packed_kv_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    store, layer = packed_batch.store, module.layer_idx
+    store, layer, plan = packed_batch.store, module.layer_idx, packed_batch.plan
+    observer = packed_batch.observer
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    outputs = []
+    store.write(layer, plan, key[0], value[0])
+    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, D]
+    if plan.decode_tokens.numel():
+        rows = query[0, :, plan.decode_tokens].transpose(0, 1)  # [rows, heads, D]
+        result = paged_attention.decode_attention(store.decode_batch(layer, plan, rows.float().contiguous(), scaling))
+        out[plan.decode_tokens] = result.out.to(out.dtype)
+        if observer is not None:
+            _report_decode(observer, packed_batch, layer, rows, result.lse, result.observed, scaling)
     for seg in packed_batch.segments:
-        s, e = seg.start, seg.end
-        store.append(seg.seq_id, layer, key[0, :, s:e], value[0, :, s:e], packed_batch.positions[s:e])
-        kv = store.view(seg.seq_id, layer)
-        mask = _causal_mask(kv.keys.shape[1], seg.num_tokens, kv.keys.device)
-        q = query[:, :, s:e]
-        if kv.ko_values is None and not seg.observe and not seg.audit:
-            out = F.scaled_dot_product_attention(
-                q, kv.keys.unsqueeze(0), kv.values.unsqueeze(0), attn_mask=mask, scale=scaling, enable_gqa=True
+        if seg.num_tokens > 1:
+            out[seg.start : seg.end] = _prefill_attention(
+                query[:, :, seg.start : seg.end], store, seg, layer, scaling, observer
             )
-        else:
-            out = _tiered_attention(q, kv, mask, scaling, seg, layer, packed_batch.observer)
-        outputs.append(out)
-    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
-    return out.transpose(1, 2), None
+    return out.unsqueeze(0), None
+
+
+def _report_decode(
+    observer: AttentionObserver,
+    batch: PackedBatch,
+    layer: int,
+    rows: torch.Tensor,
+    lse: torch.Tensor,
+    observed: torch.Tensor,
+    scaling: float,
+) -> None:
+    """Hand the observed decode rows' attention (all at once) and the audited ones' to the observer."""
+    if batch.observed:
+        observer.on_decode_attention(layer, batch.observed, observed)
+    kv_heads = batch.store.num_kv_heads
+    for row, seg in batch.audited:
+        q = rows[row].reshape(kv_heads, -1, rows.shape[-1])
+        _audit(observer, seg, layer, q, lse[row].view(kv_heads, -1), scaling)
+
+
+def _prefill_attention(
+    q: torch.Tensor, store: KVStore, seg: Segment, layer: int, scaling: float, observer: AttentionObserver | None
+) -> torch.Tensor:
+    """One prefill chunk (q [1, heads, t, D]) against its sequence's entries -> [t, heads, D]."""
+    kv = store.view(seg.seq_id, layer)
+    mask = _causal_mask(kv.keys.shape[1], seg.num_tokens, kv.keys.device)
+    if kv.key_only_values is None and not seg.observe and not seg.audit:
+        out = F.scaled_dot_product_attention(
+            q, kv.keys.unsqueeze(0), kv.values.unsqueeze(0), attn_mask=mask, scale=scaling, enable_gqa=True
+        )
+    else:
+        out = _tiered_attention(q, kv, mask, scaling, seg, layer, observer)
+    return out[0].transpose(0, 1)
 
 
 def _causal_mask(held: int, new: int, device: torch.device) -> torch.Tensor | None:
@@ -119,7 +164,7 @@ def _tiered_attention(
     layer: int,
     observer: AttentionObserver | None,
 ) -> torch.Tensor:
-    """Attention with explicit probabilities: KEY_ONLY values dequantised, observation and audit."""
+    """Attention with explicit probabilities: KEY_ONLY values, observation and audit."""
     _, heads, t, d = q.shape
     kv_heads = kv.keys.shape[0]
     group = heads // kv_heads
@@ -131,24 +176,30 @@ def _tiered_attention(
     n_ko = kv.num_key_only
     out = torch.matmul(probs[..., n_ko:].to(kv.values.dtype), kv.values)
     if n_ko:
-        ko_values = dequantize(kv.ko_values, kv.values.dtype)
-        out = out + torch.matmul(probs[..., :n_ko].to(kv.values.dtype), ko_values)
+        out = out + torch.matmul(probs[..., :n_ko].to(kv.values.dtype), kv.key_only_values)
     if observer is not None:
         if seg.observe:
             rows = probs.view(kv_heads, group, t, -1)[:, :, -seg.observe :]
             observer.on_attention(seg.seq_id, layer, rows.mean(dim=(0, 1)))
         if seg.audit:
-            dropped = observer.audit_keys(seg.seq_id, layer)
-            if dropped is not None and dropped.shape[1]:
-                dropped_scores = torch.matmul(qg, dropped.transpose(1, 2).to(qg.dtype)).float() * scaling
-                lost = dropped_scores.logsumexp(-1)
-                kept = scores.logsumexp(-1)
-                # As if the dropped keys were still there: their share of the full softmax.
-                dropped_mass = (dropped_scores - torch.logaddexp(kept, lost).unsqueeze(-1)).exp().mean(dim=(0, 1))
-                observer.on_audit(seg.seq_id, layer, torch.sigmoid(kept - lost).view(heads, t), dropped_mass)
-            else:
-                observer.on_audit(seg.seq_id, layer, torch.ones(heads, t), None)
+            _audit(observer, seg, layer, qg, scores.logsumexp(-1), scaling)
     return out.view(kv_heads, group, t, d).reshape(1, heads, t, d).to(q.dtype)
+
+
+def _audit(
+    observer: AttentionObserver, seg: Segment, layer: int, qg: torch.Tensor, kept: torch.Tensor, scaling: float
+) -> None:
+    """Recall against the keys this sequence dropped: qg [kv_heads, queries, D] (a head group's
+    queries together), kept [kv_heads, queries] the log-sum-exp of their scores on held entries."""
+    dropped = observer.audit_keys(seg.seq_id, layer)
+    if dropped is None or not dropped.shape[1]:
+        observer.on_audit(seg.seq_id, layer, torch.ones(kept.numel(), 1), None)
+        return
+    dropped_scores = torch.matmul(qg, dropped.transpose(1, 2).to(qg.dtype)).float() * scaling
+    lost = dropped_scores.logsumexp(-1)
+    # As if the dropped keys were still there: their share of the full softmax.
+    dropped_mass = (dropped_scores - torch.logaddexp(kept, lost).unsqueeze(-1)).exp().mean(dim=(0, 1))
+    observer.on_audit(seg.seq_id, layer, torch.sigmoid(kept - lost).view(kept.numel(), 1), dropped_mass)
 
 
 AttentionInterface.register(ATTENTION_NAME, packed_kv_attention)

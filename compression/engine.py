@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from compression.config import CompressionParams
-from compression.kv_store import GROWTH_CHUNK, KVStore
+from compression.kv_store import KVStore
 from compression.policy import plan_tiers
 from compression.predictor.misses import Dropped
 from compression.predictor.online import Forecast, FutureValue, PredictionJob
@@ -181,6 +181,15 @@ class CompressionEngine:
             picked = rows.flip(0)[:: state.params.score_interval][: kv.observed.shape[0]].flip(0)
             recent = kv.observed[:, :n]
             recent.copy_(torch.cat((recent[picked.shape[0] :], picked.to(recent.dtype))))
+
+    def on_decode_attention(self, layer: int, seq_ids: list[int], rows: torch.Tensor) -> None:
+        # One update per scoring rule for the whole batch, not a call per sequence.
+        groups: dict[str, list[int]] = {}
+        for i, seq_id in enumerate(seq_ids):
+            groups.setdefault(repr(self.states[seq_id].policy), []).append(i)
+        for members in groups.values():
+            policy = self.states[seq_ids[members[0]]].policy
+            self.store.observe(layer, [seq_ids[i] for i in members], rows[members], policy.accumulate)
 
     def audit_keys(self, seq_id: int, layer: int) -> torch.Tensor | None:
         return self.states[seq_id].audit.get(layer)
@@ -347,8 +356,10 @@ class CompressionEngine:
         if rate <= 0.0:
             return float("inf"), full_bytes, key_only_bytes
         per_token = store.model_token_bytes / store.num_layers
-        # Buffers are sized in chunks: leave room for that rounding so the held bytes meet the target.
-        return (1.0 - rate) * num_tokens * per_token - GROWTH_CHUNK * full_bytes, full_bytes, key_only_bytes
+        # Tables hold whole blocks: leave room for a partial one of each of the three tables (keys,
+        # values, key-only values: half a FULL entry, half, and a KEY_ONLY entry less a key).
+        rounding = store.block_size * (full_bytes // 2 + key_only_bytes)
+        return (1.0 - rate) * num_tokens * per_token - rounding, full_bytes, key_only_bytes
 
     def _over_budget(self, seq_id: int, budget: float, full_bytes: int, key_only_bytes: int) -> list[int]:
         """The layers holding more than the budget: the only ones a compression changes (and scores)."""

@@ -1,147 +1,107 @@
-"""Per-sequence, per-layer KV buffers in tiers, with exact byte accounting against one budget.
+"""The KV cache of every sequence, in blocks of one pool per storage format, against one byte budget.
 
-Layout of one (sequence, layer), in key order:
+Every (sequence, layer) has three block tables, in key order:
 
-    keys      [ KEY_ONLY entries ... | FULL entries ... ]   at the storage precision
-    values                           [ FULL values ... ]    at the storage precision
-    ko_values [ quantised values ... ]                      int4 or int8, per token and head
+    keys      [ KEY_ONLY entries ... | FULL entries ... ]   at the sequence's storage format
+    values                           [ FULL values ... ]    same format
+    key-only  [ quantised values ... ]                      int4 or int8
 
-New tokens are appended as FULL at the end, so attention reads contiguous buffers without a
-gather: the probabilities of the first `num_key_only` entries meet the dequantised KEY_ONLY values,
-the rest meet the FULL values. Attention does not care about key order (RoPE is baked into the
-keys); only a prefill chunk's causal mask does, and its new entries are always the last ones.
-Compaction rebuilds the buffers at their new size, so dropped and demoted entries really give their
-bytes back. Layers of one sequence may hold different tokens; each keeps its entries' positions.
+A running sequence owns a slot: a row of the tables (`[3, layers, slots, max_blocks]`, with the
+held entries and blocks per table) and of the per-entry bookkeeping (positions, observed attention,
+the value predictor's history, key norm and forecast). Attention reads the blocks in place through
+the tables (`compression.paged_attention`); a forward pass writes its new entries through a
+`StepPlan` made once per step, without a Python loop over sequences.
 
-The account counts every tensor that holds keys or values (capacity, not just the filled part),
-their quantisation scales included. Positions and observed attention (8 bytes a token and layer,
-not KV; with the value predictor, 2 more per kept observation, 2 for the key norm and 4 for the
-latest forecast) are bookkeeping and are not counted.
+Compaction (`retier`) writes the surviving entries into fresh blocks and gives the old ones back;
+the leading blocks it leaves unchanged are kept as they are. A finished sequence is parked (its
+tables leave the slot, its blocks stay) and a later one adopts a prefix of it by sharing whole
+blocks by reference: only a partial last block is copied, since the adopter appends after it.
+
+The budget counts every block in use, once however many tables share it, at its full size: waste
+is at most one partial block per table. Positions and observations are bookkeeping, not counted.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from compression.quant import SCALE_DTYPE, Quantized, bytes_per_vector, dequantize, quantize
+from compression.block_pool import BlockPool, Codec
+from compression.paged_attention import DecodeBatch
 
-# Buffers grow by at least this many tokens, and by an eighth of their size when large, so that
-# appending one token per decode step costs amortised O(1) copies with at most ~12% slack.
-GROWTH_CHUNK = 16
+BLOCK_SIZE = 16
+KEYS, VALUES, KEY_ONLY = 0, 1, 2  # the three tables of a (sequence, layer)
 
 
 class KVBudgetExceeded(RuntimeError):
     """Raised when a reservation would take the store past its byte budget."""
 
 
-class Codec:
-    """How FULL keys and values are stored: a float dtype, or int8/int4 codes with per-(token, head)
-    scale (and minimum, at 4 bits), kept in buffers parallel to the codes."""
-
-    def __init__(self, storage: torch.dtype | str, compute_dtype: torch.dtype, head_dim: int) -> None:
-        self.bits = {"int8": 8, torch.int8: 8, "int4": 4}.get(storage, 0)
-        self.dtype = torch.int8 if self.bits == 8 else torch.uint8 if self.bits == 4 else storage
-        self.compute_dtype = compute_dtype
-        self.head_dim = head_dim
-
-    @property
-    def quantized(self) -> bool:
-        return self.bits > 0
-
-    @property
-    def vector_bytes(self) -> int:
-        if self.quantized:
-            return bytes_per_vector(self.head_dim, self.bits)
-        return self.head_dim * torch.empty((), dtype=self.dtype).element_size()
-
-    def empty(self, heads: int, capacity: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Codes [heads, capacity, width] and, when quantised, params [heads, capacity, 1 or 2] (fp16)."""
-        width = self.head_dim * self.bits // 8 if self.quantized else self.head_dim
-        data = torch.empty((heads, capacity, width), dtype=self.dtype, device=device)
-        params = None
-        if self.quantized:
-            params = torch.empty((heads, capacity, 1 if self.bits == 8 else 2), dtype=SCALE_DTYPE, device=device)
-        return data, params
-
-    def write(self, data: torch.Tensor, params: torch.Tensor | None, start: int, x: torch.Tensor) -> None:
-        end = start + x.shape[1]
-        if not self.quantized:
-            data[:, start:end] = x
-            return
-        q = quantize(x, self.bits)
-        data[:, start:end] = q.codes
-        params[:, start:end, 0] = q.scale
-        if q.minimum is not None:
-            params[:, start:end, 1] = q.minimum
-
-    def read(self, data: torch.Tensor, params: torch.Tensor | None, end: int, start: int = 0) -> torch.Tensor:
-        if not self.quantized:
-            view = data[:, start:end]
-            return view if view.dtype == self.compute_dtype else view.to(self.compute_dtype)
-        p = params[:, start:end]
-        q = Quantized(data[:, start:end], p[..., 0], p[..., 1] if self.bits == 4 else None, self.bits)
-        return dequantize(q, self.compute_dtype)
-
-
 @dataclass
 class LayerKV:
-    keys: torch.Tensor
-    key_params: torch.Tensor | None
-    values: torch.Tensor
-    value_params: torch.Tensor | None
-    positions: torch.Tensor  # [capacity] token positions, in key order
+    """One layer of one sequence: its counts, and views of its bookkeeping (indexed in key order)."""
+
+    length: int
+    num_key_only: int
+    positions: torch.Tensor  # [capacity] token positions
     attention: torch.Tensor  # [capacity] float32 attention observed by the scoring policy
-    # For the value predictor only: the latest observations (oldest first) and each key's norm.
-    observed: torch.Tensor | None = None  # [history_steps, capacity] fp16
-    key_norm: torch.Tensor | None = None  # [capacity] fp16, mean over heads, taken before quantisation
-    forecast: torch.Tensor | None = None  # [capacity] float32 predicted future attention, NaN until predicted
-    ko_values: Quantized | None = None
-    length: int = 0
-    num_key_only: int = 0
-    compacted: bool = False  # once compression manages a layer, it grows in exact chunks
-
-    @property
-    def key_capacity(self) -> int:
-        return self.keys.shape[1]
-
-    @property
-    def value_capacity(self) -> int:
-        return self.values.shape[1]
+    observed: torch.Tensor | None  # [history_steps, capacity] fp16: the predictor's latest observations
+    key_norm: torch.Tensor | None  # [capacity] fp16, mean over heads, taken before quantisation
+    forecast: torch.Tensor | None  # [capacity] float32 predicted future attention, NaN until predicted
 
     @property
     def num_full(self) -> int:
         return self.length - self.num_key_only
 
-    @property
-    def nbytes(self) -> int:
-        total = self.keys.nbytes + self.values.nbytes
-        for t in (self.key_params, self.value_params):
-            if t is not None:
-                total += t.nbytes
-        return total + (self.ko_values.nbytes if self.ko_values is not None else 0)
-
 
 @dataclass
 class LayerView:
-    """What attention needs from one layer: dense keys and the values of both tiers."""
+    """A layer's entries gathered and dequantised: for prefill chunks, scoring and audits."""
 
     keys: torch.Tensor  # [kv_heads, length, head_dim], compute dtype
-    values: torch.Tensor  # [kv_heads, num_full, head_dim], compute dtype
-    ko_values: Quantized | None
+    values: torch.Tensor  # [kv_heads, num_full, head_dim]
+    key_only_values: torch.Tensor | None  # [kv_heads, num_key_only, head_dim]
     num_key_only: int
 
 
 @dataclass
-class SequenceKV:
+class ParkedKV:
+    """A finished sequence's cache outside the running slots; it holds one reference to its blocks."""
+
     codec: Codec
-    layers: list[LayerKV] = field(default_factory=list)
+    tables: list[list[np.ndarray]]  # [table kind][layer] block ids
+    lengths: np.ndarray  # [layers] entries held
+    key_only: np.ndarray  # [layers] KEY_ONLY entries
+    meta: dict[str, torch.Tensor]  # bookkeeping rows [layers, ...]
+    block_bytes: tuple[int, int]  # of a keys/values block and of a key-only block
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
+        main = sum(len(t) for kind in (KEYS, VALUES) for t in self.tables[kind])
+        return main * self.block_bytes[0] + sum(len(t) for t in self.tables[KEY_ONLY]) * self.block_bytes[1]
+
+
+@dataclass
+class StepPlan:
+    """Where one forward pass writes its new entries, and which of its rows decode."""
+
+    token_slot: torch.Tensor  # [tokens]
+    key_index: torch.Tensor  # [layers, tokens] the new entries' places in their keys tables
+    key_blocks: torch.Tensor  # [layers, tokens] and their blocks and offsets
+    key_offsets: torch.Tensor
+    value_blocks: torch.Tensor
+    value_offsets: torch.Tensor
+    groups: list[tuple[BlockPool, torch.Tensor | None]]  # tokens by pool (None: all of them)
+    decode_tokens: torch.Tensor  # [rows] tokens of one-token segments
+    row_slot: torch.Tensor  # [rows] int32
+    row_pool: torch.Tensor  # [rows] int32, an index in `pools`
+    pools: list[BlockPool]
+    observe_index: torch.Tensor  # [rows] int32
+    num_observed: int
 
 
 class KVStore:
@@ -158,6 +118,7 @@ class KVStore:
         storage: torch.dtype | str | None = None,
         key_only_bits: int = 4,
         history_steps: int = 0,
+        block_size: int = BLOCK_SIZE,
     ) -> None:
         self.num_layers = num_layers
         self.history_steps = history_steps  # observations each entry keeps for the value predictor
@@ -166,13 +127,22 @@ class KVStore:
         self.max_bytes = max_bytes
         self.dtype = dtype  # the model's dtype: what attention computes in
         self.device = torch.device(device)
+        self.block_size = block_size
         self.codec = self.make_codec(storage)  # the default storage precision
         self.key_only_bits = key_only_bits
-        self.used_bytes = 0
-        self._seqs: dict[int, SequenceKV] = {}
-        self._storage: dict[int, Codec] = {}  # sequences stored at another precision than the default
+        self.pools: dict[str, BlockPool] = {}
+        self.key_only_pool = self._pool(Codec(f"int{key_only_bits}", head_dim))
         self.evicted_entries: Counter[str] = Counter()  # (layer, token) entries removed, by reason
-        self.parked_bytes = 0  # bytes of finished sequences kept for reuse (part of used_bytes)
+        self._storage: dict[int, Codec] = {}  # sequences stored at another precision than the default
+        self._slots: dict[int, int] = {}  # running sequence -> slot
+        self._slot_pool: dict[int, BlockPool] = {}
+        self._free_slots: list[int] = []
+        self.tables = np.zeros((3, num_layers, 0, 4), dtype=np.int32)
+        self.num_blocks = np.zeros((3, num_layers, 0), dtype=np.int32)
+        self.lengths = np.zeros((num_layers, 0), dtype=np.int32)
+        self.key_only = np.zeros((num_layers, 0), dtype=np.int32)
+        self.meta: dict[str, torch.Tensor] = {}
+        self._grow_meta(0, 64)
 
     def make_codec(self, storage: torch.dtype | str | None) -> Codec:
         """A codec for `storage`: None or "auto" is the model's dtype; a float dtype name; "int8"; "int4"."""
@@ -180,7 +150,7 @@ class KVStore:
             storage = self.dtype
         elif isinstance(storage, str) and not storage.startswith("int"):
             storage = getattr(torch, storage)
-        return Codec(storage, self.dtype, self.head_dim)
+        return Codec(storage, self.head_dim)
 
     def set_storage(self, seq_id: int, storage: torch.dtype | str | None) -> None:
         """Store this sequence's FULL entries at `storage` (before its first reservation)."""
@@ -193,9 +163,7 @@ class KVStore:
     def entry_bytes(self, codec: Codec | None = None) -> tuple[int, int]:
         """Bytes of one (token, layer) entry: FULL, and KEY_ONLY (key as stored, value quantised)."""
         vector = (codec or self.codec).vector_bytes
-        return 2 * self.num_kv_heads * vector, self.num_kv_heads * (
-            vector + bytes_per_vector(self.head_dim, self.key_only_bits)
-        )
+        return 2 * self.num_kv_heads * vector, self.num_kv_heads * (vector + self.key_only_pool.codec.vector_bytes)
 
     @property
     def token_bytes_per_layer(self) -> int:
@@ -213,36 +181,68 @@ class KVStore:
         element = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
 
+    def block_bytes(self, codec: Codec | None = None) -> int:
+        return self.num_kv_heads * self.block_size * (codec or self.codec).vector_bytes
+
     def bytes_for(self, num_tokens: int, codec: Codec | None = None) -> int:
-        """Bytes a new sequence of `num_tokens` FULL tokens takes, growth granularity included."""
-        return self.num_layers * _round_up(num_tokens, GROWTH_CHUNK) * self.entry_bytes(codec)[0]
+        """Bytes a new sequence of `num_tokens` FULL tokens takes, whole blocks included."""
+        return self.num_layers * 2 * _blocks(num_tokens, self.block_size) * self.block_bytes(codec)
+
+    @property
+    def used_bytes(self) -> int:
+        """Every block in use, running or parked."""
+        return sum((pool.num_blocks - len(pool.free_ids)) * pool.block_bytes for pool in self.pools.values())
+
+    @property
+    def parked_bytes(self) -> int:
+        """Blocks that only parked caches (the prefix cache) hold."""
+        return self.used_bytes - self.running_bytes
+
+    @property
+    def pool_bytes(self) -> dict[str, int]:
+        """Memory each storage format's pool holds, in use or free."""
+        return {name: pool.capacity_bytes for name, pool in self.pools.items()}
 
     @property
     def free_bytes(self) -> int:
         return self.max_bytes - self.used_bytes
 
     def seq_bytes(self, seq_id: int) -> int:
-        seq = self._seqs.get(seq_id)
-        return seq.nbytes if seq else 0
+        """Bytes of every block this sequence's tables hold (shared ones too)."""
+        slot = self._slots.get(seq_id)
+        if slot is None:
+            return 0
+        main = int(self.num_blocks[KEYS:KEY_ONLY, :, slot].sum()) * self._slot_pool[slot].block_bytes
+        return main + int(self.num_blocks[KEY_ONLY, :, slot].sum()) * self.key_only_pool.block_bytes
 
     def seq_length(self, seq_id: int, layer: int = 0) -> int:
-        seq = self._seqs.get(seq_id)
-        return seq.layers[layer].length if seq else 0
+        slot = self._slots.get(seq_id)
+        return int(self.lengths[layer, slot]) if slot is not None else 0
 
     def layer(self, seq_id: int, layer_idx: int) -> LayerKV:
-        return self._seqs[seq_id].layers[layer_idx]
+        slot = self._slots[seq_id]
+        meta = {name: t[layer_idx, slot] for name, t in self.meta.items()}
+        return LayerKV(
+            length=int(self.lengths[layer_idx, slot]),
+            num_key_only=int(self.key_only[layer_idx, slot]),
+            positions=meta["positions"],
+            attention=meta["attention"],
+            observed=meta.get("observed"),
+            key_norm=meta.get("key_norm"),
+            forecast=meta.get("forecast"),
+        )
 
     def entry_counts(self) -> dict[str, int]:
-        """(layer, token) entries held, by tier, over every sequence."""
-        layers = [layer for seq in list(self._seqs.values()) for layer in seq.layers]
-        key_only = sum(layer.num_key_only for layer in layers)
-        return {"full": sum(layer.length for layer in layers) - key_only, "key_only": key_only}
+        """(layer, token) entries held, by tier, over every running sequence."""
+        slots = list(self._slots.values())
+        total, key_only = int(self.lengths[:, slots].sum()), int(self.key_only[:, slots].sum())
+        return {"full": total - key_only, "key_only": key_only}
 
     def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._seqs
+        return seq_id in self._slots
 
     def __len__(self) -> int:
-        return len(self._seqs)
+        return len(self._slots)
 
     # ----- lifecycle ---------------------------------------------------------------------
     def reserve(self, seq_id: int, num_new: int) -> None:
@@ -250,74 +250,154 @@ class KVStore:
 
         All-or-nothing: either every layer has room afterwards or nothing changed.
         """
-        created = seq_id not in self._seqs
-        if created:
-            codec = self.codec_of(seq_id)
-            self._seqs[seq_id] = SequenceKV(codec, [self._new_layer(codec, 0, 0) for _ in range(self.num_layers)])
-        seq = self._seqs[seq_id]
-        vector = self.num_kv_heads * seq.codec.vector_bytes  # one key or one value, one layer
-        growth = []  # (layer, exact keys, generous keys, exact values, generous values)
-        for layer in seq.layers:
-            k_need, v_need = layer.length + num_new, layer.num_full + num_new
-            if k_need > layer.key_capacity or v_need > layer.value_capacity:
-                generous = not layer.compacted
-                growth.append(
-                    (
-                        layer,
-                        *_sizes(layer.key_capacity, k_need, generous),
-                        *_sizes(layer.value_capacity, v_need, generous),
-                    )
-                )
-        needed = sum(
-            ((ke - layer.key_capacity) + (ve - layer.value_capacity)) * vector for layer, ke, _, ve, _ in growth
-        )
-        if needed > self.free_bytes:
+        created = seq_id not in self._slots
+        slot = self._open_slot(seq_id) if created else self._slots[seq_id]
+        pool = self._slot_pool[slot]
+        lengths = self.lengths[:, slot]
+        need_keys = _blocks(lengths + num_new, self.block_size) - self.num_blocks[KEYS, :, slot]
+        need_values = _blocks(lengths - self.key_only[:, slot] + num_new, self.block_size)
+        need_values -= self.num_blocks[VALUES, :, slot]
+        needed = int(need_keys.clip(0).sum() + need_values.clip(0).sum())
+        if needed * pool.block_bytes > self.free_bytes:
             if created:
-                del self._seqs[seq_id]
+                self._close_slot(seq_id)
             raise KVBudgetExceeded(
-                f"sequence {seq_id} needs {needed} more KV bytes; {self.free_bytes} of {self.max_bytes} are free"
+                f"sequence {seq_id} needs {needed * pool.block_bytes} more KV bytes; "
+                f"{self.free_bytes} of {self.max_bytes} are free"
             )
-        # Grow generously while the budget allows it, exactly otherwise.
-        slack = self.free_bytes - needed
-        for layer, k_exact, k_generous, v_exact, v_generous in growth:
-            surplus = ((k_generous - k_exact) + (v_generous - v_exact)) * vector
-            if surplus <= slack:
-                slack -= surplus
-                k_exact, v_exact = k_generous, v_generous
-            self._resize(seq.codec, layer, k_exact, v_exact)
+        self._ensure_capacity(int(lengths.max()) + num_new)
+        for kind, need in ((KEYS, need_keys), (VALUES, need_values)):
+            for layer in np.flatnonzero(need > 0):
+                self._extend(kind, int(layer), slot, pool.allocate(int(need[layer])))
 
-    def append(
-        self, seq_id: int, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+    def begin_step(self, segments: list, positions: torch.Tensor) -> StepPlan:
+        """Plan a forward pass of these segments (`Segment`s, room reserved): where each new entry
+        goes in every layer, and the decode rows. The entries count as held from here on."""
+        slots = np.array([self._slots[seg.seq_id] for seg in segments], dtype=np.int64)
+        counts = np.array([seg.num_tokens for seg in segments], dtype=np.int64)
+        token_slot = np.repeat(slots, counts)
+        offset = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        layers = np.arange(self.num_layers)[:, None]
+        key_index = self.lengths[:, token_slot] + offset
+        value_index = key_index - self.key_only[:, token_slot]
+        bs = self.block_size
+        key_blocks = self.tables[KEYS][layers, token_slot, key_index // bs]
+        value_blocks = self.tables[VALUES][layers, token_slot, value_index // bs]
+        np.add.at(self.lengths, (slice(None), slots), counts)
+
+        device = self.device
+        pools = list(self.pools.values())
+        by_pool: dict[int, list[int]] = {}
+        for i, seg in enumerate(segments):
+            by_pool.setdefault(id(self._slot_pool[slots[i]]), []).extend(range(seg.start, seg.end))
+        groups = []
+        for pool in pools:
+            tokens = by_pool.get(id(pool))
+            if tokens is not None:
+                index = None if len(by_pool) == 1 else torch.tensor(tokens, device=device)
+                groups.append((pool, index))
+        decode = [i for i, seg in enumerate(segments) if seg.num_tokens == 1]
+        observe = np.full(len(decode), -1, dtype=np.int32)
+        observed = [j for j, i in enumerate(decode) if segments[i].observe]
+        observe[observed] = np.arange(len(observed))
+        plan = StepPlan(
+            token_slot=_tensor(token_slot, device),
+            key_index=_tensor(key_index, device),
+            key_blocks=_tensor(key_blocks, device),
+            key_offsets=_tensor(key_index % bs, device),
+            value_blocks=_tensor(value_blocks, device),
+            value_offsets=_tensor(value_index % bs, device),
+            groups=groups,
+            decode_tokens=torch.tensor([segments[i].start for i in decode], dtype=torch.long, device=device),
+            row_slot=_tensor(slots[decode], device, torch.int32),
+            row_pool=torch.tensor([pools.index(self._slot_pool[slots[i]]) for i in decode], dtype=torch.int32),
+            pools=pools,
+            observe_index=_tensor(observe, device),
+            num_observed=len(observed),
+        )
+        layer_index = torch.arange(self.num_layers, device=device)[:, None]
+        where = (layer_index, plan.token_slot, plan.key_index)
+        self.meta["positions"][where] = positions
+        self.meta["attention"][where] = 0.0
+        if self.history_steps:
+            self.meta["observed"][layer_index, plan.token_slot, :, plan.key_index] = 0.0
+            self.meta["forecast"][where] = float("nan")
+        return plan
+
+    def write(self, layer: int, plan: StepPlan, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store the step's new keys and values of one layer (each [kv_heads, tokens, head_dim])."""
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)
+        kb, ko, vb, vo = (
+            plan.key_blocks[layer],
+            plan.key_offsets[layer],
+            plan.value_blocks[layer],
+            plan.value_offsets[layer],
+        )
+        for pool, index in plan.groups:
+            if index is None:
+                pool.write(kb, ko, keys)
+                pool.write(vb, vo, values)
+            else:
+                pool.write(kb[index], ko[index], keys[index])
+                pool.write(vb[index], vo[index], values[index])
+        if self.history_steps:
+            norms = keys.float().norm(dim=-1).mean(dim=1)
+            self.meta["key_norm"][layer, plan.token_slot, plan.key_index[layer]] = norms.to(torch.float16)
+
+    def decode_batch(self, layer: int, plan: StepPlan, query: torch.Tensor, scale: float) -> DecodeBatch:
+        """The decode kernel's view of one layer for the plan's decode rows (query [rows, heads, D])."""
+        return DecodeBatch(
+            query=query,
+            pools=[pool.tensors() for pool in plan.pools],
+            row_slot=plan.row_slot,
+            row_pool=plan.row_pool,
+            key_only_pool=plan.pools.index(self.key_only_pool),
+            key_tables=_tensor(self.tables[KEYS, layer], self.device, torch.int32),
+            value_tables=_tensor(self.tables[VALUES, layer], self.device, torch.int32),
+            key_only_tables=_tensor(self.tables[KEY_ONLY, layer], self.device, torch.int32),
+            num_keys=_tensor(self.lengths[layer], self.device, torch.int32),
+            num_key_only=_tensor(self.key_only[layer], self.device, torch.int32),
+            block_size=self.block_size,
+            scale=scale,
+            observe_index=plan.observe_index,
+            num_observed=plan.num_observed,
+        )
+
+    def observe(
+        self,
+        layer: int,
+        seq_ids: list[int],
+        rows: torch.Tensor,
+        accumulate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> None:
-        """Write new FULL entries (keys/values [kv_heads, n, head_dim]) after the held ones.
-
-        Room must have been reserved; this runs inside the forward pass and never allocates.
-        """
-        seq = self._seqs[seq_id]
-        layer = seq.layers[layer_idx]
-        n = keys.shape[1]
-        start = layer.length
-        seq.codec.write(layer.keys, layer.key_params, start, keys)
-        seq.codec.write(layer.values, layer.value_params, layer.num_full, values)
-        layer.positions[start : start + n] = positions
-        layer.attention[start : start + n] = 0.0
-        if layer.observed is not None:
-            layer.observed[:, start : start + n] = 0.0
-            layer.key_norm[start : start + n] = keys.float().norm(dim=-1).mean(dim=0)
-            layer.forecast[start : start + n] = float("nan")
-        layer.length += n
+        """Fold one decode query's attention per sequence (rows [sequences, width], zero past each
+        one's entries) into their observed attention by `accumulate`, and into the predictor's
+        history. Past its entries a row's bookkeeping is scratch: a write resets it."""
+        slots = torch.tensor([self._slots[s] for s in seq_ids], device=self.device)
+        width = rows.shape[1]
+        attention = self.meta["attention"]
+        attention[layer, slots, :width] = accumulate(attention[layer, slots, :width], rows)
+        if self.history_steps:
+            history = self.meta["observed"]
+            recent = history[layer, slots, :, :width]  # [sequences, steps, width]
+            history[layer, slots, :, :width] = torch.cat((recent[:, 1:], rows.unsqueeze(1).to(recent.dtype)), dim=1)
 
     def view(self, seq_id: int, layer_idx: int) -> LayerView:
-        """Keys and values held by one layer of one sequence (no copy at float storage)."""
-        seq = self._seqs[seq_id]
-        layer = seq.layers[layer_idx]
-        keys = seq.codec.read(layer.keys, layer.key_params, layer.length)
-        values = seq.codec.read(layer.values, layer.value_params, layer.num_full)
-        return LayerView(keys, values, layer.ko_values, layer.num_key_only)
+        """Keys and values held by one layer of one sequence, gathered and dequantised."""
+        slot = self._slots[seq_id]
+        n, n_ko = int(self.lengths[layer_idx, slot]), int(self.key_only[layer_idx, slot])
+        tensors = self._slot_pool[slot].tensors()
+        keys = tensors.read(*self._places(KEYS, layer_idx, slot, np.arange(n)), self.dtype)
+        values = tensors.read(*self._places(VALUES, layer_idx, slot, np.arange(n - n_ko)), self.dtype)
+        key_only = None
+        if n_ko:
+            places = self._places(KEY_ONLY, layer_idx, slot, np.arange(n_ko))
+            key_only = self.key_only_pool.tensors().read(*places, self.dtype)
+        return LayerView(keys, values, key_only, n_ko)
 
     def positions(self, seq_id: int, layer_idx: int) -> torch.Tensor:
-        layer = self._seqs[seq_id].layers[layer_idx]
-        return layer.positions[: layer.length]
+        slot = self._slots[seq_id]
+        return self.meta["positions"][layer_idx, slot, : self.lengths[layer_idx, slot]]
 
     def retier(self, seq_id: int, layer_idx: int, keep_full: torch.Tensor, keep_key_only: torch.Tensor) -> int:
         """Rebuild one layer holding only the given entries (indices in key order); return bytes freed.
@@ -326,165 +406,293 @@ class KVStore:
         quantised now); `keep_full` may name FULL entries only, since a quantised value cannot be
         restored. Entries named in neither are dropped.
         """
-        seq = self._seqs[seq_id]
-        layer = seq.layers[layer_idx]
-        if bool((keep_full < layer.num_key_only).any()):
+        slot = self._slots[seq_id]
+        n_ko = int(self.key_only[layer_idx, slot])
+        if bool((keep_full < n_ko).any()):
             raise ValueError("a KEY_ONLY entry cannot become FULL again")
-        before = layer.nbytes
-        rebuilt = self._rebuilt(seq.codec, layer, keep_full, keep_key_only)
-        self._seqs[seq_id].layers[layer_idx] = rebuilt
-        freed = before - rebuilt.nbytes
-        self.used_bytes -= freed
-        self.evicted_entries["compression"] += layer.length - rebuilt.length
-        return freed
+        before, length = self.used_bytes, int(self.lengths[layer_idx, slot])
+        source = self._layer_source(layer_idx, slot)
+        self._rebuild(layer_idx, slot, source, keep_full, keep_key_only, charge=False)
+        self.evicted_entries["compression"] += length - int(self.lengths[layer_idx, slot])
+        return before - self.used_bytes
 
     # ----- parked caches (the prefix cache's pool) -----------------------------------------
-    def park(self, seq_id: int) -> SequenceKV | None:
-        """Take a finished sequence's cache out of the running pool; its bytes stay counted (parked)."""
+    def park(self, seq_id: int) -> ParkedKV | None:
+        """Take a finished sequence's cache out of the running slots; its blocks stay held."""
         self._storage.pop(seq_id, None)
-        seq = self._seqs.pop(seq_id, None)
-        if seq is not None:
-            self.parked_bytes += seq.nbytes
-        return seq
+        if seq_id not in self._slots:
+            return None
+        slot = self._slots[seq_id]
+        pool = self._slot_pool[slot]
+        n = int(self.lengths[:, slot].max())
+        parked = ParkedKV(
+            codec=pool.codec,
+            tables=[
+                [
+                    self.tables[kind, layer, slot, : self.num_blocks[kind, layer, slot]].copy()
+                    for layer in range(self.num_layers)
+                ]
+                for kind in (KEYS, VALUES, KEY_ONLY)
+            ],
+            lengths=self.lengths[:, slot].copy(),
+            key_only=self.key_only[:, slot].copy(),
+            meta={name: t[:, slot, ..., :n].clone() for name, t in self.meta.items()},
+            block_bytes=(pool.block_bytes, self.key_only_pool.block_bytes),
+        )
+        self.num_blocks[:, :, slot] = 0  # the references move to the parked cache
+        self._close_slot(seq_id)
+        return parked
 
-    def discard(self, parked: SequenceKV) -> int:
-        """Free a parked cache; return its bytes."""
-        freed = parked.nbytes
-        self.used_bytes -= freed
-        self.parked_bytes -= freed
-        self.evicted_entries["prefix_cache"] += sum(layer.length for layer in parked.layers)
-        return freed
+    def discard(self, parked: ParkedKV) -> int:
+        """Give back a parked cache's references; return the bytes that became free."""
+        before = self.used_bytes
+        self._unref_tables(self.pools[parked.codec.name], parked.tables)
+        self.evicted_entries["prefix_cache"] += int(parked.lengths.sum())
+        return before - self.used_bytes
 
-    def adopt(self, seq_id: int, parked: SequenceKV, num_tokens: int) -> None:
-        """Start sequence `seq_id` from a copy of the entries of `parked` at positions < num_tokens.
+    def adopt(self, seq_id: int, parked: ParkedKV, num_tokens: int) -> None:
+        """Start sequence `seq_id` from the entries of `parked` at positions < num_tokens.
 
-        A copy, so that the running sequence and the cache never see each other's writes. Raises
-        KVBudgetExceeded (holding nothing) when the copy does not fit.
+        Whole blocks are shared; what the new sequence will write into (a partial last block) and
+        any table whose held entries are not a prefix of the parked one are copied. Raises
+        KVBudgetExceeded (holding nothing) when the copies do not fit.
         """
-        layers = []
-        for layer in parked.layers:
-            held = layer.positions[: layer.length] < num_tokens
-            index = torch.arange(layer.length, device=self.device)
-            keep_key_only = index[: layer.num_key_only][held[: layer.num_key_only]]
-            keep_full = index[layer.num_key_only :][held[layer.num_key_only :]]
-            layers.append(self._rebuilt(parked.codec, layer, keep_full, keep_key_only))
-        adopted = SequenceKV(parked.codec, layers)
-        if adopted.nbytes > self.free_bytes:
-            raise KVBudgetExceeded(f"a cached prefix of {adopted.nbytes} bytes does not fit in {self.free_bytes} free")
-        if parked.codec is not self.codec:
-            self._storage[seq_id] = parked.codec
-        self._seqs[seq_id] = adopted
-        self.used_bytes += adopted.nbytes
+        self._storage[seq_id] = parked.codec
+        slot = self._open_slot(seq_id)
+        self._ensure_capacity(int(parked.lengths.max()))
+        try:
+            for layer in range(self.num_layers):
+                source = _LayerSource(
+                    self.pools[parked.codec.name],
+                    [parked.tables[kind][layer] for kind in (KEYS, VALUES, KEY_ONLY)],
+                    int(parked.lengths[layer]),
+                    int(parked.key_only[layer]),
+                    {name: t[layer] for name, t in parked.meta.items()},
+                )
+                held = (source.meta["positions"][: source.length] < num_tokens).nonzero().flatten()
+                self._rebuild(layer, slot, source, held[held >= source.key_only], held[held < source.key_only])
+        except KVBudgetExceeded:
+            self.free(seq_id)
+            raise
 
     def free(self, seq_id: int, preempted: bool = False) -> int:
-        """Drop a sequence's cache and return the bytes it held.
+        """Drop a sequence's cache and return the bytes that became free.
 
         A `preempted` sequence will be recomputed: its storage precision is remembered and its
         entries count as evicted.
         """
         if not preempted:
             self._storage.pop(seq_id, None)
-        seq = self._seqs.pop(seq_id, None)
-        if seq is None:
+        slot = self._slots.get(seq_id)
+        if slot is None:
             return 0
         if preempted:
-            self.evicted_entries["preemption"] += sum(layer.length for layer in seq.layers)
-        freed = seq.nbytes
-        self.used_bytes -= freed
-        return freed
+            self.evicted_entries["preemption"] += int(self.lengths[:, slot].sum())
+        before = self.used_bytes
+        tables = [
+            [self.tables[kind, layer, slot, : self.num_blocks[kind, layer, slot]] for layer in range(self.num_layers)]
+            for kind in (KEYS, VALUES, KEY_ONLY)
+        ]
+        self._unref_tables(self._slot_pool[slot], tables)
+        self.num_blocks[:, :, slot] = 0
+        self._close_slot(seq_id)
+        return before - self.used_bytes
 
     # ----- internals ---------------------------------------------------------------------
-    def _rebuilt(self, codec: Codec, layer: LayerKV, keep_full: torch.Tensor, keep_key_only: torch.Tensor) -> LayerKV:
-        """A new layer holding copies of the given entries: KEY_ONLY ones first, then FULL ones."""
-        keep_key_only = keep_key_only.sort().values
-        keep_full = keep_full.sort().values
-        order = torch.cat((keep_key_only, keep_full))
-        n, n_ko, n_full = order.numel(), keep_key_only.numel(), keep_full.numel()
-        rebuilt = self._new_layer(codec, _round_up(n, GROWTH_CHUNK), _round_up(n_full, GROWTH_CHUNK))
-        rebuilt.keys[:, :n] = layer.keys.index_select(1, order)
-        if layer.key_params is not None:
-            rebuilt.key_params[:, :n] = layer.key_params.index_select(1, order)
-        rebuilt.positions[:n] = layer.positions.index_select(0, order)
-        rebuilt.attention[:n] = layer.attention.index_select(0, order)
-        if layer.observed is not None:
-            rebuilt.observed[:, :n] = layer.observed.index_select(1, order)
-            rebuilt.key_norm[:n] = layer.key_norm.index_select(0, order)
-            rebuilt.forecast[:n] = layer.forecast.index_select(0, order)
-        full_slots = keep_full - layer.num_key_only  # FULL entry i has its value at slot i - num_key_only
-        rebuilt.values[:, :n_full] = layer.values.index_select(1, full_slots)
-        if layer.value_params is not None:
-            rebuilt.value_params[:, :n_full] = layer.value_params.index_select(1, full_slots)
-        rebuilt.ko_values = self._key_only_values(codec, layer, keep_key_only) if n_ko else None
-        rebuilt.length, rebuilt.num_key_only, rebuilt.compacted = n, n_ko, True
-        return rebuilt
+    def _pool(self, codec: Codec) -> BlockPool:
+        if codec.name not in self.pools:
+            self.pools[codec.name] = BlockPool(codec, self.num_kv_heads, self.block_size, self.device)
+        return self.pools[codec.name]
 
-    def _key_only_values(self, codec: Codec, layer: LayerKV, entries: torch.Tensor) -> Quantized:
-        """Quantised values of `entries` (sorted): old KEY_ONLY ones kept, FULL ones quantised now."""
-        old = entries[entries < layer.num_key_only]
-        new = entries[entries >= layer.num_key_only] - layer.num_key_only
-        parts = []
-        if old.numel():
-            ko = layer.ko_values
-            minimum = ko.minimum.index_select(1, old) if ko.minimum is not None else None
-            parts.append(Quantized(ko.codes.index_select(1, old), ko.scale.index_select(1, old), minimum, ko.bits))
-        if new.numel():
-            scale = layer.value_params.index_select(1, new) if layer.value_params is not None else None
-            full = codec.read(layer.values.index_select(1, new), scale, new.numel())
-            parts.append(quantize(full, self.key_only_bits))
-        if len(parts) == 1:
-            return parts[0]
-        a, b = parts
-        minimum = torch.cat((a.minimum, b.minimum), 1) if a.minimum is not None else None
-        return Quantized(torch.cat((a.codes, b.codes), 1), torch.cat((a.scale, b.scale), 1), minimum, a.bits)
+    def _open_slot(self, seq_id: int) -> int:
+        if not self._free_slots:
+            self._grow_slots()
+        slot = self._free_slots.pop()
+        self._slots[seq_id] = slot
+        self._slot_pool[slot] = self._pool(self.codec_of(seq_id))
+        self.lengths[:, slot] = 0
+        self.key_only[:, slot] = 0
+        self.num_blocks[:, :, slot] = 0
+        return slot
 
-    def _new_layer(self, codec: Codec, key_capacity: int, value_capacity: int) -> LayerKV:
-        keys, key_params = codec.empty(self.num_kv_heads, key_capacity, self.device)
-        values, value_params = codec.empty(self.num_kv_heads, value_capacity, self.device)
-        return LayerKV(
-            keys=keys,
-            key_params=key_params,
-            values=values,
-            value_params=value_params,
-            positions=torch.empty(key_capacity, dtype=torch.long, device=self.device),
-            attention=torch.zeros(key_capacity, dtype=torch.float32, device=self.device),
-            observed=torch.zeros(self.history_steps, key_capacity, dtype=torch.float16, device=self.device)
-            if self.history_steps
-            else None,
-            key_norm=torch.zeros(key_capacity, dtype=torch.float16, device=self.device) if self.history_steps else None,
-            forecast=torch.full((key_capacity,), float("nan"), device=self.device) if self.history_steps else None,
+    def _close_slot(self, seq_id: int) -> None:
+        slot = self._slots.pop(seq_id)
+        del self._slot_pool[slot]
+        self.lengths[:, slot] = 0
+        self.key_only[:, slot] = 0
+        self._free_slots.append(slot)
+
+    def _grow_slots(self) -> None:
+        old = self.lengths.shape[1]
+        new = max(8, 2 * old)
+        self.tables = _pad(self.tables, 2, new)
+        self.num_blocks = _pad(self.num_blocks, 2, new)
+        self.lengths = _pad(self.lengths, 1, new)
+        self.key_only = _pad(self.key_only, 1, new)
+        self._grow_meta(new, self.meta["positions"].shape[-1])
+        self._free_slots.extend(range(new - 1, old - 1, -1))
+
+    def _ensure_capacity(self, entries: int) -> None:
+        """Room for `entries` in every table row and bookkeeping row."""
+        blocks = _blocks(entries, self.block_size)
+        if blocks > self.tables.shape[-1]:
+            self.tables = _pad(self.tables, 3, max(blocks, 2 * self.tables.shape[-1]))
+        capacity = self.meta["positions"].shape[-1]
+        if entries > capacity:
+            self._grow_meta(self.lengths.shape[1], max(entries, 2 * capacity))
+
+    def _grow_meta(self, slots: int, capacity: int) -> None:
+        shape = (self.num_layers, slots)
+        fresh = {
+            "positions": torch.zeros(*shape, capacity, dtype=torch.long, device=self.device),
+            "attention": torch.zeros(*shape, capacity, dtype=torch.float32, device=self.device),
+        }
+        if self.history_steps:
+            fresh["observed"] = torch.zeros(
+                *shape, self.history_steps, capacity, dtype=torch.float16, device=self.device
+            )
+            fresh["key_norm"] = torch.zeros(*shape, capacity, dtype=torch.float16, device=self.device)
+            fresh["forecast"] = torch.full((*shape, capacity), float("nan"), device=self.device)
+        for name, old in self.meta.items():
+            fresh[name][:, : old.shape[1], ..., : old.shape[-1]] = old
+        self.meta = fresh
+
+    def _extend(self, kind: int, layer: int, slot: int, blocks: list[int]) -> None:
+        start = self.num_blocks[kind, layer, slot]
+        self.tables[kind, layer, slot, start : start + len(blocks)] = blocks
+        self.num_blocks[kind, layer, slot] += len(blocks)
+
+    def _places(self, kind: int, layer: int, slot: int, entries: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks and offsets of entries of one table of a running slot."""
+        return _places(self.tables[kind, layer, slot], entries, self.block_size, self.device)
+
+    def _layer_source(self, layer: int, slot: int) -> _LayerSource:
+        return _LayerSource(
+            self._slot_pool[slot],
+            [
+                self.tables[kind, layer, slot, : self.num_blocks[kind, layer, slot]].copy()
+                for kind in (KEYS, VALUES, KEY_ONLY)
+            ],
+            int(self.lengths[layer, slot]),
+            int(self.key_only[layer, slot]),
+            {name: t[layer, slot, ..., : self.lengths[layer, slot]].clone() for name, t in self.meta.items()},
         )
 
-    def _resize(self, codec: Codec, layer: LayerKV, key_capacity: int, value_capacity: int) -> None:
-        grown = self._new_layer(codec, max(key_capacity, layer.key_capacity), max(value_capacity, layer.value_capacity))
-        n, nf = layer.length, layer.num_full
-        grown.keys[:, :n] = layer.keys[:, :n]
-        grown.values[:, :nf] = layer.values[:, :nf]
-        if layer.key_params is not None:
-            grown.key_params[:, :n] = layer.key_params[:, :n]
-            grown.value_params[:, :nf] = layer.value_params[:, :nf]
-        grown.positions[:n] = layer.positions[:n]
-        grown.attention[:n] = layer.attention[:n]
-        if layer.observed is not None:
-            grown.observed[:, :n] = layer.observed[:, :n]
-            grown.key_norm[:n] = layer.key_norm[:n]
-            grown.forecast[:n] = layer.forecast[:n]
-        before = layer.nbytes
-        layer.keys, layer.key_params = grown.keys, grown.key_params
-        layer.values, layer.value_params = grown.values, grown.value_params
-        layer.positions, layer.attention = grown.positions, grown.attention
-        layer.observed, layer.key_norm, layer.forecast = grown.observed, grown.key_norm, grown.forecast
-        self.used_bytes += layer.nbytes - before
+    def _rebuild(
+        self,
+        layer: int,
+        slot: int,
+        source: _LayerSource,
+        keep_full: torch.Tensor,
+        keep_key_only: torch.Tensor,
+        charge: bool = True,
+    ) -> None:
+        """Make (layer, slot) hold the given entries of `source`: KEY_ONLY ones first, then FULL ones.
+
+        Each new table starts with the longest run of the source table's entries it keeps in place;
+        the whole blocks of that run are shared, the rest is written into fresh blocks. Everything
+        is read before anything the slot held is let go. With `charge` the fresh blocks must fit in
+        the budget (else KVBudgetExceeded, nothing changed); compaction does not check, since it
+        only ever gives bytes back, up to one block of rounding per table.
+        """
+        bs, pool, key_only_pool = self.block_size, source.pool, self.key_only_pool
+        keep_key_only, keep_full = keep_key_only.sort().values, keep_full.sort().values
+        order = torch.cat((keep_key_only, keep_full)).cpu().numpy()
+        full_values = (keep_full - source.key_only).cpu().numpy()
+        kept_ko = keep_key_only.cpu().numpy()
+        old_ko, demoted = kept_ko[kept_ko < source.key_only], kept_ko[kept_ko >= source.key_only] - source.key_only
+
+        plans = []  # per table: (pool, shared blocks, encoded vectors to write after them)
+        for kind, entries in ((KEYS, order), (VALUES, full_values), (KEY_ONLY, old_ko)):
+            table_pool = key_only_pool if kind == KEY_ONLY else pool
+            shared = _in_place_run(entries) // bs
+            rest = entries[shared * bs :]
+            encoded = table_pool.read_encoded(*_places(source.tables[kind], rest, bs, self.device))
+            plans.append([table_pool, source.tables[kind][:shared], encoded])
+        if demoted.size:
+            values = pool.tensors().read(*_places(source.tables[VALUES], demoted, bs, self.device), torch.float32)
+            codes, params = key_only_pool.codec.encode(values.transpose(0, 1))
+            old_codes, old_params = plans[KEY_ONLY][2]
+            plans[KEY_ONLY][2] = (torch.cat((old_codes, codes)), torch.cat((old_params, params)))
+        if charge:
+            fresh = sum(_blocks(len(codes), bs) * p.block_bytes for p, _, (codes, _) in plans)
+            if fresh > self.free_bytes:
+                raise KVBudgetExceeded(f"a cached prefix needs {fresh} bytes; {self.free_bytes} are free")
+
+        old_tables = [self.tables[kind, layer, slot, : self.num_blocks[kind, layer, slot]].copy() for kind in range(3)]
+        for kind, (table_pool, shared, (codes, params)) in enumerate(plans):
+            table_pool.ref(shared.tolist())
+            blocks = table_pool.allocate(_blocks(len(codes), bs))
+            self.num_blocks[kind, layer, slot] = 0
+            self._extend(kind, layer, slot, [*shared.tolist(), *blocks])
+            n = len(codes)
+            if n:
+                start = len(shared) * bs
+                places = _places(self.tables[kind, layer, slot], np.arange(start, start + n), bs, self.device)
+                table_pool.write_encoded(*places, codes, params)
+        for kind in range(3):
+            (key_only_pool if kind == KEY_ONLY else pool).unref(old_tables[kind].tolist())
+
+        index = torch.from_numpy(order).to(self.device)
+        for name, rows in source.meta.items():
+            self.meta[name][layer, slot, ..., : len(order)] = rows[..., index]
+        self.lengths[layer, slot] = len(order)
+        self.key_only[layer, slot] = len(kept_ko)
+
+    def _unref_tables(self, pool: BlockPool, tables: list[list[np.ndarray]]) -> None:
+        for kind, layers in enumerate(tables):
+            target = self.key_only_pool if kind == KEY_ONLY else pool
+            for blocks in layers:
+                target.unref(blocks.tolist())
+
+    @property
+    def running_bytes(self) -> int:
+        """Bytes of the distinct blocks that running sequences hold."""
+        held: dict[int, list[np.ndarray]] = {}
+        for slot in self._slots.values():
+            for kind in range(3):
+                pool = self.key_only_pool if kind == KEY_ONLY else self._slot_pool[slot]
+                tables = self.tables[kind, :, slot]
+                held.setdefault(id(pool), []).extend(
+                    tables[layer, : self.num_blocks[kind, layer, slot]] for layer in range(self.num_layers)
+                )
+        pools = {id(pool): pool for pool in self.pools.values()}
+        return sum(len(np.unique(np.concatenate(blocks))) * pools[key].block_bytes for key, blocks in held.items())
 
 
-def _sizes(capacity: int, need: int, generous: bool) -> tuple[int, int]:
-    """Exact and generous new capacities for a buffer that must hold `need` entries."""
-    if need <= capacity:
-        return capacity, capacity
-    exact = _round_up(need, GROWTH_CHUNK)
-    if not generous:
-        return exact, exact
-    return exact, max(exact, _round_up(capacity + capacity // 8, GROWTH_CHUNK))
+@dataclass
+class _LayerSource:
+    """One layer's entries to rebuild from: a running slot's (copied) tables, or a parked cache's."""
+
+    pool: BlockPool
+    tables: list[np.ndarray]  # keys, values, key-only block ids
+    length: int
+    key_only: int
+    meta: dict[str, torch.Tensor]  # bookkeeping rows, at least `length` long
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+def _in_place_run(entries: np.ndarray) -> int:
+    """How many leading entries sit where they already are (entries[i] == i)."""
+    moved = np.flatnonzero(entries != np.arange(len(entries)))
+    return int(moved[0]) if moved.size else len(entries)
+
+
+def _places(
+    table: np.ndarray, entries: np.ndarray, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _tensor(table[entries // block_size], device), _tensor(entries % block_size, device)
+
+
+def _blocks(entries, block_size: int):
+    return -(-entries // block_size)
+
+
+def _pad(array: np.ndarray, axis: int, size: int) -> np.ndarray:
+    widths = [(0, 0)] * array.ndim
+    widths[axis] = (0, size - array.shape[axis])
+    return np.pad(array, widths)
+
+
+def _tensor(array: np.ndarray, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A numpy array as a tensor on `device`: no copy on CPU when the dtype already matches."""
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)

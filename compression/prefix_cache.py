@@ -2,8 +2,8 @@
 
 When a request ends, its cache is parked here with its token ids and a fingerprint of the
 compression settings it was built under. A new request whose tokens start with a parked
-sequence's tokens (the longest common prefix, under the same fingerprint) starts from a copy of
-those entries and prefills only the rest: turn 2 of a chat reuses turn 1. Parked bytes count
+sequence's tokens (the longest common prefix, under the same fingerprint) starts from those entries,
+sharing their blocks, and prefills only the rest: turn 2 of a chat reuses turn 1. Parked bytes count
 against `max_cache_size`; under memory pressure they are the first to go, by LRU-K.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compression.kv_store import KVStore, SequenceKV
+from compression.kv_store import KVStore, ParkedKV
 from compression.lru import LRUK
 
 
@@ -24,7 +24,7 @@ from compression.lru import LRUK
 class CachedPrefix:
     token_ids: torch.Tensor  # [n] the tokens whose entries `kv` holds (positions 0..n-1, some maybe dropped)
     fingerprint: Hashable
-    kv: SequenceKV
+    kv: ParkedKV
 
 
 @dataclass
@@ -77,7 +77,7 @@ class PrefixCache:
         return best
 
     def adopt(self, seq_id: int, hit: PrefixHit) -> None:
-        """Give sequence `seq_id` a copy of the hit's entries (KVBudgetExceeded if it does not fit)."""
+        """Start sequence `seq_id` from the hit's entries (KVBudgetExceeded if its copies do not fit)."""
         self.store.adopt(seq_id, self.entries[hit.entry_id].kv, hit.num_tokens)
         self.lru.touch(hit.entry_id)
         self.hits += 1

@@ -15,7 +15,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from app.engine import EngineConfig, LLMEngine, RequestOutput
 from app.sequence import SamplingParams
+from compression.attention import Segment
 from compression.config import CompressionConfig
+from compression.kv_store import KVStore
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,6 +51,23 @@ def tiny_model(family: str, vocab_size: int, eos_token_id: int, seed: int = 0) -
         **kwargs,
     )
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def fill_store(store: KVStore, seq_id: int, n: int, start: int = 0, keys=None) -> None:
+    """Reserve and write n entries (positions start..start+n-1) into every layer of a sequence.
+
+    Keys are `keys(layer)` ([kv_heads, n, head_dim]) or, by default, the position in every
+    component; values are the keys negated.
+    """
+    store.reserve(seq_id, n)
+    plan = store.begin_step([Segment(seq_id, 0, n)], torch.arange(start, start + n))
+    for layer in range(store.num_layers):
+        if keys is None:
+            k = torch.arange(start, start + n, dtype=torch.float32).view(1, n, 1)
+            k = k.expand(store.num_kv_heads, n, store.head_dim).contiguous()
+        else:
+            k = keys(layer)
+        store.write(layer, plan, k, -k)
 
 
 def make_engine(model, tokenizer, max_cache_bytes: int = 2**30, compression: dict | None = None, **kwargs) -> LLMEngine:

@@ -1,108 +1,167 @@
-"""Byte accounting of the KV store: exact, all-or-nothing, never over budget."""
+"""The block KV store: exact accounting, all-or-nothing reservations, shared blocks, never over budget."""
 
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compression.kv_store import GROWTH_CHUNK, KVBudgetExceeded, KVStore
+from compression.kv_store import BLOCK_SIZE, KEY_ONLY, KVBudgetExceeded, KVStore, ParkedKV
+from tests.helpers import fill_store as fill
 
 
-def make_store(max_bytes: int = 10**7, storage=None) -> KVStore:
-    return KVStore(num_layers=3, num_kv_heads=2, head_dim=4, max_bytes=max_bytes, storage=storage)
+def make_store(max_bytes: int = 10**7, storage=None, history_steps: int = 0) -> KVStore:
+    return KVStore(
+        num_layers=3, num_kv_heads=2, head_dim=4, max_bytes=max_bytes, storage=storage, history_steps=history_steps
+    )
 
 
-def held_tensor_bytes(store: KVStore) -> int:
-    total = 0
-    for seq in store._seqs.values():
-        for layer in seq.layers:
-            tensors = [layer.keys, layer.values, layer.key_params, layer.value_params]
-            if layer.ko_values is not None:
-                tensors += [layer.ko_values.codes, layer.ko_values.scale, layer.ko_values.minimum]
-            total += sum(t.nbytes for t in tensors if t is not None)
-    return total
+def check_references(store: KVStore, parked: list[ParkedKV] = ()) -> None:
+    """Every block's reference count is the number of tables (running or parked) that hold it, and
+    the account is the blocks in use."""
+    expected = {name: Counter() for name in store.pools}
+    for slot, pool in store._slot_pool.items():
+        for kind in range(3):
+            name = store.key_only_pool.codec.name if kind == KEY_ONLY else pool.codec.name
+            for layer in range(store.num_layers):
+                expected[name].update(store.tables[kind, layer, slot, : store.num_blocks[kind, layer, slot]].tolist())
+    for cache in parked:
+        for kind, layers in enumerate(cache.tables):
+            name = store.key_only_pool.codec.name if kind == KEY_ONLY else cache.codec.name
+            for blocks in layers:
+                expected[name].update(blocks.tolist())
+    used = 0
+    for name, pool in store.pools.items():
+        held = {b: r for b, r in enumerate(pool.refs) if r}
+        assert held == dict(expected[name]), name
+        assert sorted(pool.free_ids) == [b for b, r in enumerate(pool.refs) if r == 0]
+        used += len(held) * pool.block_bytes
+    assert store.used_bytes == used
 
 
-def fill(store: KVStore, seq_id: int, n: int, start: int = 0) -> None:
-    store.reserve(seq_id, n)
-    for layer in range(store.num_layers):
-        k = torch.arange(n, dtype=torch.float32).repeat(2, 4, 1).transpose(1, 2) + start
-        store.append(seq_id, layer, k, -k, torch.arange(start, start + n))
-
-
-def test_append_view_roundtrip():
+def test_write_view_roundtrip():
     store = make_store()
     fill(store, 1, 5)
-    fill(store, 1, 3, start=5)
+    fill(store, 1, 30, start=5)  # crosses block boundaries
     view = store.view(1, 2)
     keys, values = view.keys, view.values
-    assert keys.shape == (2, 8, 4)
-    assert torch.equal(keys[0, :, 0], torch.arange(8, dtype=torch.float32))
+    assert keys.shape == (2, 35, 4)
+    assert torch.equal(keys[0, :, 0], torch.arange(35, dtype=torch.float32))
     assert torch.equal(values, -keys)
-    assert store.positions(1, 0).tolist() == list(range(8))
+    assert store.positions(1, 0).tolist() == list(range(35))
+    check_references(store)
+
+
+def test_waste_is_at_most_one_partial_block_per_table():
+    store = make_store()
+    fill(store, 1, 13)
+    assert store.seq_bytes(1) == store.num_layers * 2 * store.block_bytes()  # one block of keys, one of values
+    assert store.seq_bytes(1) <= 13 * store.token_bytes + store.num_layers * 2 * store.block_bytes()
+    fill(store, 1, 4, start=13)  # 17 entries: a second block per table
+    assert store.seq_bytes(1) == store.num_layers * 4 * store.block_bytes()
 
 
 def test_reserve_is_all_or_nothing():
-    store = make_store(max_bytes=3 * GROWTH_CHUNK * store_token_bytes())
-    fill(store, 1, GROWTH_CHUNK)  # one chunk in each of 3 layers: budget used up
+    store = make_store(max_bytes=3 * 2 * make_store().block_bytes())
+    fill(store, 1, BLOCK_SIZE)  # one block of keys and one of values in each of 3 layers: budget used up
     before = store.used_bytes
     with pytest.raises(KVBudgetExceeded):
         store.reserve(2, 1)
+    with pytest.raises(KVBudgetExceeded):
+        store.reserve(1, 1)
     assert store.used_bytes == before and 2 not in store
+    assert store.seq_length(1) == BLOCK_SIZE
+    check_references(store)
 
 
-def store_token_bytes() -> int:
-    return make_store().token_bytes_per_layer
-
-
-def test_compact_keeps_chosen_entries_and_frees_bytes():
+def test_compaction_keeps_chosen_entries_rewrites_only_what_moved_and_frees_bytes():
     store = make_store()
     fill(store, 1, 40)
     before = store.used_bytes
-    keep = torch.tensor([0, 1, 2, 39])
+    first_block = store.tables[0, 1, store._slots[1], 0]
+    keep = torch.tensor([*range(BLOCK_SIZE), 39])  # the first block stays in place
     freed = store.retier(1, 1, keep_full=keep, keep_key_only=torch.tensor([], dtype=torch.long))
     assert freed > 0 and store.used_bytes == before - freed
     keys = store.view(1, 1).keys
-    assert keys[0, :, 0].tolist() == [0.0, 1.0, 2.0, 39.0]
-    assert store.positions(1, 1).tolist() == [0, 1, 2, 39]
+    assert keys[0, :, 0].tolist() == [*map(float, range(BLOCK_SIZE)), 39.0]
+    assert store.positions(1, 1).tolist() == [*range(BLOCK_SIZE), 39]
+    assert store.tables[0, 1, store._slots[1], 0] == first_block  # not copied
     assert store.seq_length(1, 0) == 40  # other layers untouched
-    assert store.used_bytes == held_tensor_bytes(store)
+    check_references(store)
+
+
+def test_a_prefix_is_shared_by_reference_and_only_its_partial_block_copied():
+    store = make_store(storage="int8")
+    fill(store, 1, 40)
+    parked = store.park(1)
+    held = store.used_bytes
+    assert store.parked_bytes == held and 1 not in store
+    store.adopt(2, parked, 36)  # 2 whole blocks shared per table, the 4 entries after them copied
+    block = store.block_bytes(store.make_codec("int8"))
+    assert store.used_bytes == held + store.num_layers * 2 * block
+    assert store.positions(2, 0).tolist() == list(range(36))
+    assert torch.allclose(store.view(2, 1).keys[0, :, 0], torch.arange(36.0), rtol=0.01)
+    check_references(store, [parked])
+    fill(store, 2, 10, start=36)  # the adopter writes after its own copy, never into the cache
+    assert torch.allclose(store.view(2, 0).keys[0, :, 0], torch.arange(46.0), rtol=0.01)
+    store.free(2)
+    assert store.used_bytes == store.parked_bytes == held
+    assert store.discard(parked) == held and store.used_bytes == 0
+
+
+def test_adopting_what_does_not_fit_holds_nothing():
+    store = make_store()
+    fill(store, 1, 40)
+    parked = store.park(1)
+    store.max_bytes = store.used_bytes  # no room for a copied partial block
+    with pytest.raises(KVBudgetExceeded):
+        store.adopt(2, parked, 36)
+    assert 2 not in store
+    check_references(store, [parked])
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["grow", "free", "compact"]), st.integers(0, 4), st.integers(1, 70)),
+    st.tuples(st.sampled_from(["grow", "free", "compact", "park", "adopt"]), st.integers(0, 4), st.integers(1, 70)),
     max_size=60,
 )
 
 
 @settings(max_examples=60, deadline=None)
 @given(ops=ops, budget_tokens=st.integers(16, 600))
-def test_accounting_matches_tensors_and_budget(ops, budget_tokens):
-    store = make_store(max_bytes=budget_tokens * store_token_bytes())
+def test_accounting_matches_references_and_budget(ops, budget_tokens):
+    store = make_store(max_bytes=budget_tokens * make_store().token_bytes_per_layer, storage="int8")
+    parked: list[ParkedKV] = []
     for op, seq_id, n in ops:
         if op == "grow":
             with contextlib.suppress(KVBudgetExceeded):
                 fill(store, seq_id, n, start=store.seq_length(seq_id))
         elif op == "free":
             store.free(seq_id)
-        elif seq_id in store and store.seq_length(seq_id, 0):
+        elif op == "park" and seq_id in store:
+            parked.append(store.park(seq_id))
+        elif op == "adopt" and parked and seq_id not in store:
+            with contextlib.suppress(KVBudgetExceeded):
+                store.adopt(seq_id, parked[n % len(parked)], n)
+        elif op == "compact" and seq_id in store and store.seq_length(seq_id, 0):
             length = store.seq_length(seq_id, 0)
             layer = store.layer(seq_id, 0)
             entries = torch.arange(layer.num_key_only, length)
             store.retier(seq_id, 0, keep_full=entries[entries % 3 == 0], keep_key_only=entries[entries % 3 == 1])
-        assert store.used_bytes == held_tensor_bytes(store)
-        assert store.used_bytes <= store.max_bytes
+        check_references(store, parked)
+        assert store.used_bytes <= store.max_bytes + 3 * store.num_layers * store.block_bytes()
     for seq_id in range(5):
         store.free(seq_id)
+    for cache in parked:
+        store.discard(cache)
     assert store.used_bytes == 0
 
 
 def test_the_predictors_bookkeeping_follows_its_entries_through_compaction_and_growth():
-    store = KVStore(num_layers=3, num_kv_heads=2, head_dim=4, max_bytes=10**7, history_steps=2)
+    store = make_store(history_steps=2)
     fill(store, 1, 10)
     kv = store.layer(1, 0)
     assert kv.forecast[:10].isnan().all()  # nothing predicted yet
@@ -114,9 +173,10 @@ def test_the_predictors_bookkeeping_follows_its_entries_through_compaction_and_g
     assert kv.forecast[: kv.length].tolist() == order
     assert kv.observed[1, : kv.length].tolist() == order
     assert kv.key_norm[: kv.length].tolist() == pytest.approx([store_key_norm(p) for p in order], rel=1e-2)
-    fill(store, 1, 2 * GROWTH_CHUNK, start=10)  # grows the layer
+    fill(store, 1, 10 * BLOCK_SIZE, start=10)  # grows every table and the bookkeeping
     kv = store.layer(1, 0)
     assert kv.forecast[:5].tolist() == order and kv.forecast[5 : kv.length].isnan().all()
+    assert kv.positions[: kv.length].tolist() == order + list(range(10, 10 + 10 * BLOCK_SIZE))
 
 
 def store_key_norm(position: int) -> float:

@@ -46,15 +46,23 @@ def record(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list
     """Run `prompts` through `engine` (which must observe every step and drop nothing)."""
     num_layers = engine.store.num_layers
     recordings: dict[int, Recording] = {}
-    observe = engine.compression.on_attention
+    observe, observe_decode = engine.compression.on_attention, engine.compression.on_decode_attention
 
-    def recording_observer(seq_id: int, layer: int, rows: torch.Tensor) -> None:
-        observe(seq_id, layer, rows)
+    def record_rows(seq_id: int, layer: int, rows: torch.Tensor) -> None:
         rec = recordings[seq_id]
         if rec.prefill[layer] is None:
             rec.prefill[layer] = rows.detach().float().cpu().clone()
         else:
             rec.masses[layer].append(rows[-1].detach().float().cpu().clone())
+
+    def recording_observer(seq_id: int, layer: int, rows: torch.Tensor) -> None:
+        observe(seq_id, layer, rows)
+        record_rows(seq_id, layer, rows)
+
+    def recording_decode_observer(layer: int, seq_ids: list[int], rows: torch.Tensor) -> None:
+        observe_decode(layer, seq_ids, rows)
+        for seq_id, row in zip(seq_ids, rows, strict=True):
+            record_rows(seq_id, layer, row[: engine.store.seq_length(seq_id, layer)].unsqueeze(0))
 
     after_step = engine.compression.after_step
 
@@ -64,6 +72,7 @@ def record(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list
         return after_step(sequences, confidence)
 
     engine.compression.on_attention = recording_observer
+    engine.compression.on_decode_attention = recording_decode_observer
     engine.compression.after_step = recording_after_step
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     params = resolve(
@@ -83,6 +92,7 @@ def record(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list
                 ]
             bar.update(sum(out.finished for out in engine.step()))
     engine.compression.on_attention = observe
+    engine.compression.on_decode_attention = observe_decode
     engine.compression.after_step = after_step
     for seq_id, rec in recordings.items():
         rec.key_norms = key_norms[seq_id]

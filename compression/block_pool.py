@@ -1,0 +1,143 @@
+"""Fixed-size blocks of head vectors, one pool per storage format, reference-counted.
+
+A block holds `block_size` vectors (keys, FULL values or KEY_ONLY values: any of them) of every KV
+head of one layer of one sequence, at one storage format: `data [blocks, kv_heads, block_size,
+width]` and, when quantised, `params [blocks, kv_heads, block_size, 1 or 2]` (see
+`compression.quant`). Blocks are counted by reference so that the prefix cache and the sequences
+that reuse a prefix share them without copying; a block is written only while one holder has it.
+
+A pool grows in large steps (by half, at least `MIN_GROWTH` blocks) and never shrinks: the KV
+store decides what may be held (the budget); the pool is where it lives.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compression.paged_attention import PoolTensors
+from compression.quant import SCALE_DTYPE, bytes_per_vector, quantize
+
+MIN_GROWTH = 64
+
+
+class Codec:
+    """A storage format: a float dtype, or int8/int4 codes with per-(token, head) scale (and minimum)."""
+
+    def __init__(self, storage: torch.dtype | str, head_dim: int) -> None:
+        self.bits = {"int8": 8, torch.int8: 8, "int4": 4}.get(storage, 0)
+        self.dtype = torch.int8 if self.bits == 8 else torch.uint8 if self.bits == 4 else storage
+        self.head_dim = head_dim
+        self.name = f"int{self.bits}" if self.bits else str(storage).removeprefix("torch.")
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits > 0
+
+    @property
+    def width(self) -> int:
+        return self.head_dim * self.bits // 8 if self.quantized else self.head_dim
+
+    @property
+    def vector_bytes(self) -> int:
+        if self.quantized:
+            return bytes_per_vector(self.head_dim, self.bits)
+        return self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Vectors [..., head_dim] as stored: codes [..., width] and params [..., 1 or 2] (or None)."""
+        if not self.quantized:
+            return x.to(self.dtype), None
+        q = quantize(x, self.bits)
+        params = q.scale.unsqueeze(-1) if q.minimum is None else torch.stack((q.scale, q.minimum), -1)
+        return q.codes, params
+
+
+class BlockPool:
+    def __init__(self, codec: Codec, kv_heads: int, block_size: int, device: torch.device) -> None:
+        self.codec = codec
+        self.kv_heads = kv_heads
+        self.block_size = block_size
+        self.device = device
+        self.data = self._empty_data(0)
+        self.params = self._empty_params(0)
+        self.refs: list[int] = []
+        self.free_ids: list[int] = []
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kv_heads * self.block_size * self.codec.vector_bytes
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.refs)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def tensors(self) -> PoolTensors:
+        return PoolTensors(self.data, self.params, self.codec.name)
+
+    def allocate(self, n: int) -> list[int]:
+        """n blocks with one reference each."""
+        if n > len(self.free_ids):
+            self._grow(n - len(self.free_ids))
+        ids = [self.free_ids.pop() for _ in range(n)]
+        for b in ids:
+            self.refs[b] = 1
+        return ids
+
+    def ref(self, ids: list[int]) -> None:
+        for b in ids:
+            self.refs[b] += 1
+
+    def unref(self, ids: list[int]) -> int:
+        """Drop one reference to each block; return how many blocks became free."""
+        freed = 0
+        for b in ids:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free_ids.append(b)
+                freed += 1
+        return freed
+
+    def write(self, blocks: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor) -> None:
+        """Store vectors x [n, kv_heads, head_dim] at (blocks[i], offsets[i])."""
+        self.write_encoded(blocks, offsets, *self.codec.encode(x))
+
+    def write_encoded(
+        self, blocks: torch.Tensor, offsets: torch.Tensor, codes: torch.Tensor, params: torch.Tensor | None
+    ) -> None:
+        """Store vectors already in this format: codes [n, kv_heads, width], params [n, kv_heads, p]."""
+        self.data[blocks, :, offsets] = codes
+        if params is not None:
+            self.params[blocks, :, offsets] = params
+
+    def read_encoded(self, blocks: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Vectors as stored: codes [n, kv_heads, width] and params (or None)."""
+        params = self.params[blocks, :, offsets] if self.params is not None else None
+        return self.data[blocks, :, offsets], params
+
+    def _grow(self, at_least: int) -> None:
+        n = self.num_blocks
+        grown = n + max(at_least, n // 2, MIN_GROWTH)
+        data = self._empty_data(grown)
+        data[:n] = self.data
+        self.data = data
+        if self.params is not None:
+            params = self._empty_params(grown)
+            params[:n] = self.params
+            self.params = params
+        self.refs.extend([0] * (grown - n))
+        # Lowest ids last, so they are handed out first.
+        self.free_ids = list(range(grown - 1, n - 1, -1)) + self.free_ids
+
+    def _empty_data(self, blocks: int) -> torch.Tensor:
+        shape = (blocks, self.kv_heads, self.block_size, self.codec.width)
+        return torch.empty(shape, dtype=self.codec.dtype, device=self.device)
+
+    def _empty_params(self, blocks: int) -> torch.Tensor | None:
+        if not self.codec.quantized:
+            return None
+        shape = (blocks, self.kv_heads, self.block_size, 1 if self.codec.bits == 8 else 2)
+        return torch.empty(shape, dtype=SCALE_DTYPE, device=self.device)

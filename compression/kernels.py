@@ -1,0 +1,86 @@
+"""Builds and loads the C++ decode-attention kernel (`compression/csrc/paged_attention.cpp`).
+
+The extension is compiled once per torch version into `$CONFKV_EXTENSION_DIR`, by default
+`~/.cache/conf-kv/extensions/<torch version>`; it needs g++ and ninja. `python -m compression.kernels`
+builds it ahead of time. Without it, decode attention runs the PyTorch reference; so it does with
+`CONFKV_DISABLE_KERNEL=1`, for tests of the fallback and for benchmarks that compare the two.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+NAME = "conf_kv_paged_attention"
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+
+
+def build_directory() -> Path:
+    configured = os.environ.get("CONFKV_EXTENSION_DIR")
+    path = Path(configured) if configured else Path.home() / ".cache" / "conf-kv" / "extensions" / torch.__version__
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def build(verbose: bool = False) -> ModuleType:
+    """Compile the extension (or reuse an up-to-date build) and import it; raises when it cannot."""
+    from torch.utils.cpp_extension import load  # imports setuptools: only when building
+
+    venv_bin = str(Path(sys.executable).parent)
+    if shutil.which("ninja") is None and shutil.which("ninja", path=venv_bin):
+        # `pip install ninja` puts it next to the interpreter, off PATH unless the venv is activated.
+        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+    return load(
+        name=NAME,
+        sources=[str(SOURCE)],
+        extra_cflags=["-O3", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_directory()),
+        verbose=verbose,
+    )
+
+
+@functools.cache
+def _built() -> ModuleType | None:
+    try:
+        return build()
+    except Exception as exc:  # a missing compiler or ninja shows up as any of several exception types
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.warning(
+            "decode attention falls back to the PyTorch reference (slower): the C++ kernel did not build (%s); "
+            "install g++ and ninja, then run `python -m compression.kernels`",
+            reason,
+        )
+        return None
+
+
+def load_kernel() -> ModuleType | None:
+    """The compiled kernel module, built on first use; None when disabled or when it cannot be built."""
+    if os.environ.get("CONFKV_DISABLE_KERNEL") == "1":
+        return None
+    return _built()
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    log.info("building the decode-attention kernel (once, about a minute)...")
+    try:
+        module = build()
+    except Exception as exc:
+        log.error("the decode-attention kernel did not build: %s", exc)
+        return 1
+    log.info("decode-attention kernel ready: %s", module.__file__)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

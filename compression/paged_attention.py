@@ -1,0 +1,163 @@
+"""Decode attention over the block pool: the kernel interface, its PyTorch reference, and dispatch.
+
+One call per layer serves every decoding sequence of the step: one query row per sequence, reading
+that sequence's keys and values through its block tables, in place, at their storage format (float
+or int8/int4 codes with their scales). This interface is what a kernel takes, on any device:
+
+- `pools[i]` holds blocks of one storage format, `data [num_blocks, kv_heads, block_size, width]`
+  and, when quantised, `params [num_blocks, kv_heads, block_size, 1 or 2]` (fp16 scale, and
+  minimum at 4 bits; see `compression.quant`). Entry j of a table lives at block
+  `table[j // block_size]`, offset `j % block_size`.
+- Per sequence slot, in key order: keys (KEY_ONLY entries first, then FULL), through `key_tables`
+  and `row_pool`'s format; FULL entry j >= num_key_only has its value at j - num_key_only through
+  `value_tables` (same format); KEY_ONLY entry j has its value at j through `key_only_tables`, in
+  `pools[key_only_pool]`.
+- GQA: query head h reads KV head h // (heads // kv_heads).
+- Outputs: the attention output, the log-sum-exp of each row's scaled scores (what audits of
+  dropped keys combine with), and for rows with `observe_index >= 0` the probability each entry
+  received, mean over heads (what the scoring policies observe).
+
+The C++ kernel (`compression/csrc/paged_attention.cpp`, built by `python -m compression.kernels`
+or at first use) runs it on CPU with an online softmax over blocks, in parallel over rows and KV
+heads. Without a compiler, or on another device, the reference below runs instead.
+
+The kernel takes the pools' tensors as they are (contiguous; `kernel_arguments` copies any that are
+not, which for a whole pool is costly) and raises on a table naming a block outside its pool, a slot
+or pool index out of range, or two rows with the same `observe_index`. A sequence with no entries
+gets zeros for its output and -inf for its lse.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from compression.kernels import load_kernel
+from compression.quant import Quantized, dequantize
+
+log = logging.getLogger(__name__)
+
+# Storage formats as the kernel knows them.
+FORMAT_CODES: dict[str, int] = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, "int4": 4}
+
+
+@dataclass
+class PoolTensors:
+    """The blocks of one storage format (see the module docstring for the layout)."""
+
+    data: torch.Tensor
+    params: torch.Tensor | None
+    format: str  # a key of FORMAT_CODES
+
+    def read(self, blocks: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Entries at (blocks[i], offsets[i]) as [kv_heads, n, head_dim] in `dtype`."""
+        codes = self.data[blocks, :, offsets].transpose(0, 1)  # [kv_heads, n, width]
+        if self.params is None:
+            return codes.to(dtype)
+        p = self.params[blocks, :, offsets].transpose(0, 1)
+        bits = 8 if self.format == "int8" else 4
+        return dequantize(Quantized(codes, p[..., 0], p[..., 1] if bits == 4 else None, bits), dtype)
+
+
+@dataclass
+class DecodeBatch:
+    """What decode attention reads for one layer: one query row per decoding sequence."""
+
+    query: torch.Tensor  # [rows, heads, head_dim] float32
+    pools: list[PoolTensors]
+    row_slot: torch.Tensor  # [rows] int32: the row's sequence slot (a row of the tables)
+    row_pool: torch.Tensor  # [rows] int32: index in `pools` of the row's keys and FULL values
+    key_only_pool: int  # index in `pools` of KEY_ONLY values
+    key_tables: torch.Tensor  # [slots, max_blocks] int32
+    value_tables: torch.Tensor  # [slots, max_blocks] int32
+    key_only_tables: torch.Tensor  # [slots, max_blocks] int32
+    num_keys: torch.Tensor  # [slots] int32: entries held, the new token's included
+    num_key_only: torch.Tensor  # [slots] int32
+    block_size: int
+    scale: float
+    observe_index: torch.Tensor  # [rows] int32: the row of `DecodeResult.observed` it fills, or -1
+    num_observed: int
+
+
+@dataclass
+class DecodeResult:
+    out: torch.Tensor  # [rows, heads, head_dim] float32
+    lse: torch.Tensor  # [rows, heads] float32: log of the sum over held entries of exp(scaled score)
+    observed: torch.Tensor  # [num_observed, max entries held by an observed row] float32, zero-padded
+
+
+def entry_slots(table: torch.Tensor, start: int, end: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks and offsets of a table's entries start..end-1."""
+    j = torch.arange(start, end, device=table.device)
+    return table[j // block_size].long(), j % block_size
+
+
+def gather_layer(batch: DecodeBatch, row: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [kv_heads, n, head_dim] of one row's sequence, in key order, dequantised."""
+    slot = int(batch.row_slot[row])
+    pool = batch.pools[int(batch.row_pool[row])]
+    n, n_ko, bs = int(batch.num_keys[slot]), int(batch.num_key_only[slot]), batch.block_size
+    keys = pool.read(*entry_slots(batch.key_tables[slot], 0, n, bs), dtype)
+    values = pool.read(*entry_slots(batch.value_tables[slot], 0, n - n_ko, bs), dtype)
+    if n_ko:
+        ko = batch.pools[batch.key_only_pool].read(*entry_slots(batch.key_only_tables[slot], 0, n_ko, bs), dtype)
+        values = torch.cat((ko, values), dim=1)
+    return keys, values
+
+
+def decode_attention_reference(batch: DecodeBatch) -> DecodeResult:
+    """The oracle: gather and dequantise each row's entries, then plain attention."""
+    rows, heads, d = batch.query.shape
+    out = torch.empty(rows, heads, d, dtype=torch.float32, device=batch.query.device)
+    lse = torch.empty(rows, heads, dtype=torch.float32, device=batch.query.device)
+    observed_rows = (batch.observe_index >= 0).nonzero().flatten().tolist()
+    width = max((int(batch.num_keys[int(batch.row_slot[r])]) for r in observed_rows), default=0)
+    observed = torch.zeros(batch.num_observed, width, dtype=torch.float32, device=batch.query.device)
+    for r in range(rows):
+        keys, values = gather_layer(batch, r, torch.float32)
+        kv_heads = keys.shape[0]
+        q = batch.query[r].float().view(kv_heads, heads // kv_heads, d)
+        scores = torch.matmul(q, keys.transpose(1, 2)) * batch.scale  # [kv_heads, group, n]
+        probs = scores.softmax(dim=-1)
+        out[r] = torch.matmul(probs, values).reshape(heads, d)
+        lse[r] = scores.logsumexp(dim=-1).reshape(heads)
+        if int(batch.observe_index[r]) >= 0:
+            observed[int(batch.observe_index[r]), : keys.shape[1]] = probs.mean(dim=(0, 1))
+    return DecodeResult(out, lse, observed)
+
+
+def kernel_arguments(batch: DecodeBatch) -> tuple:
+    """`batch` as the C++ kernel's positional arguments: contiguous tensors, int32 indices, format codes."""
+
+    def index(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.int32).contiguous()
+
+    no_params = torch.empty(0, dtype=torch.float16)
+    return (
+        batch.query.float().contiguous(),
+        [pool.data.contiguous() for pool in batch.pools],
+        [no_params if pool.params is None else pool.params.contiguous() for pool in batch.pools],
+        [FORMAT_CODES[pool.format] for pool in batch.pools],
+        index(batch.row_slot),
+        index(batch.row_pool),
+        int(batch.key_only_pool),
+        index(batch.key_tables),
+        index(batch.value_tables),
+        index(batch.key_only_tables),
+        index(batch.num_keys),
+        index(batch.num_key_only),
+        int(batch.block_size),
+        float(batch.scale),
+        index(batch.observe_index),
+        int(batch.num_observed),
+    )
+
+
+def decode_attention(batch: DecodeBatch) -> DecodeResult:
+    """Decode attention for one layer: the C++ kernel on CPU when it is built, else the reference."""
+    kernel = load_kernel() if batch.query.device.type == "cpu" else None
+    if kernel is None:
+        return decode_attention_reference(batch)
+    return DecodeResult(*kernel.decode_attention(*kernel_arguments(batch)))
