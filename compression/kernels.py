@@ -2,13 +2,17 @@
 
 The extension is compiled once per torch version into `$CONFKV_EXTENSION_DIR`, by default
 `~/.cache/conf-kv/extensions/<torch version>`; it needs g++ and ninja. `python -m compression.kernels`
-builds it ahead of time. Without it, decode attention runs the PyTorch reference; so it does with
+builds it ahead of time. Once built, it is imported directly (no compiler, ninja or write access
+needed, as in a container run by another user) as long as a stamp beside it matches the source, torch
+and Python. Without it, decode attention runs the PyTorch reference; so it does with
 `CONFKV_DISABLE_KERNEL=1`, for tests of the fallback and for benchmarks that compare the two.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -22,13 +26,31 @@ log = logging.getLogger(__name__)
 
 NAME = "conf_kv_paged_attention"
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+CFLAGS = ("-O3", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 
 
 def build_directory() -> Path:
     configured = os.environ.get("CONFKV_EXTENSION_DIR")
-    path = Path(configured) if configured else Path.home() / ".cache" / "conf-kv" / "extensions" / torch.__version__
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return Path(configured) if configured else Path.home() / ".cache" / "conf-kv" / "extensions" / torch.__version__
+
+
+def _stamp() -> str:
+    """What the built library depends on: the source, the flags, torch and the Python ABI."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(repr((CFLAGS, LDFLAGS, torch.__version__, sys.implementation.cache_tag)).encode())
+    return digest.hexdigest()
+
+
+def _import_built(directory: Path) -> ModuleType | None:
+    """The library built earlier in `directory`, if its stamp matches; torch's loader would rerun ninja."""
+    library, stamp = directory / f"{NAME}.so", directory / f"{NAME}.stamp"
+    if not (library.is_file() and stamp.is_file() and stamp.read_text() == _stamp()):
+        return None
+    spec = importlib.util.spec_from_file_location(NAME, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def build(verbose: bool = False) -> ModuleType:
@@ -39,20 +61,25 @@ def build(verbose: bool = False) -> ModuleType:
     if shutil.which("ninja") is None and shutil.which("ninja", path=venv_bin):
         # `pip install ninja` puts it next to the interpreter, off PATH unless the venv is activated.
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
-    return load(
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    module = load(
         name=NAME,
         sources=[str(SOURCE)],
-        extra_cflags=["-O3", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_directory()),
+        # Copies: torch appends to the lists it is given.
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(directory),
         verbose=verbose,
     )
+    (directory / f"{NAME}.stamp").write_text(_stamp())
+    return module
 
 
 @functools.cache
 def _built() -> ModuleType | None:
     try:
-        return build()
+        return _import_built(build_directory()) or build()
     except Exception as exc:  # a missing compiler or ninja shows up as any of several exception types
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         log.warning(

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import torch
 
-from compression.kernels import load_kernel
 from compression.quant import Quantized, dequantize
 
 log = logging.getLogger(__name__)
@@ -157,6 +156,10 @@ def kernel_arguments(batch: DecodeBatch) -> tuple:
 
 def decode_attention(batch: DecodeBatch) -> DecodeResult:
     """Decode attention for one layer: the C++ kernel on CPU when it is built, else the reference."""
+    # Imported here: `import compression` reaches this module, and `python -m compression.kernels` must
+    # not find its own module already imported.
+    from compression.kernels import load_kernel
+
     kernel = load_kernel() if batch.query.device.type == "cpu" else None
     if kernel is None:
         return decode_attention_reference(batch)

@@ -1,0 +1,205 @@
+"""Decode step time at the same batch: compression off against int8 storage at several rates.
+
+N sequences of P prompt tokens are prefilled, then decode together (greedy, EOS ignored); the
+figure is the median duration of the engine's pure decode steps (every sequence one token). All
+setups run in one process, one after another, on the same prompts. With `--baseline REV` the same
+setups also run on the code of git revision REV (a temporary worktree, in a subprocess), taking
+turns with this tree's, so "before" and "after" are measured side by side in one run.
+
+    python benchmarks/decode_step.py                       # 16 x 2000 tokens, off / 0.6 / 0.75 / 0.875
+    python benchmarks/decode_step.py --baseline HEAD~3     # and the same on an older revision
+    python benchmarks/decode_step.py --profile-seqs 32     # also: the Python share of a decode step
+Results: benchmarks/results/decode_step.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import save_report  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+SETUPS = {  # label -> (policy, rate)
+    "compression off": ("none", 0.0),
+    "int8, rate 0.6": ("dynamic", 0.6),
+    "int8, rate 0.75": ("dynamic", 0.75),
+    "int8, rate 0.875": ("dynamic", 0.875),
+}
+
+
+def measure(
+    code_root: Path, setup: str, seqs: int, prompt_tokens: int, steps: int, threads: int, profile: bool
+) -> dict:
+    """Run one setup on the code at `code_root` (imported from there) and return its figures."""
+    sys.path.insert(0, str(code_root))
+    sys.path.insert(1, str(ROOT))  # the corpus helpers, whatever the revision
+    import torch
+    from tqdm import tqdm
+
+    from app.engine import EngineConfig, LLMEngine
+    from app.sequence import SamplingParams
+    from benchmarks.corpus import text_of_tokens
+    from compression.config import CompressionConfig, resolve
+    from compression.predictor.online import load_future_value, predictor_path
+    from models.loader import load_model
+
+    torch.set_num_threads(threads)
+    model, tokenizer = load_model(None, torch.device("cpu"))
+    config = CompressionConfig()
+    future_value = load_future_value(predictor_path(None), model.config, torch.device("cpu"), config.score_interval)
+    engine = LLMEngine(
+        model,
+        tokenizer,
+        EngineConfig(max_cache_bytes=2**34, max_num_seqs=seqs, max_num_batched_tokens=2048),
+        config,
+        future_value,
+    )
+    policy, rate = SETUPS[setup]
+    params = resolve(config, {"policy": policy, "compression_rate": rate}, True, False)
+    for i in range(seqs):
+        prompt = text_of_tokens(tokenizer, prompt_tokens, offset=11 * i)
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True), params)
+    durations, compression = [], []
+    with torch.inference_mode(), tqdm(total=seqs * steps, desc=f"{setup} ({code_root.name})", leave=False) as bar:
+        while engine.has_unfinished():
+            if profile and len(durations) == steps // 2:
+                return {"python_share": python_share(engine, torch)}
+            outputs = engine.step()
+            bar.update(sum(len(o.new_token_ids) for o in outputs))
+            stats = engine.last_step
+            if stats.num_seqs == seqs and stats.num_tokens == seqs:  # pure decode steps
+                durations.append(stats.duration_s)
+                compression.append(stats.compression_s)
+    return {
+        "median_step_ms": 1000 * statistics.median(durations),
+        "median_compression_ms": 1000 * statistics.median(compression),
+        "decode_steps": len(durations),
+    }
+
+
+def python_share(engine, torch, steps: int = 4) -> dict:
+    """Profile a few decode steps: the share of their wall time spent outside torch operators and
+    the decode kernel, i.e. in Python, dispatch and bookkeeping."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            with record_function("engine_step"):
+                engine.step()
+    events = prof.key_averages()
+    wall = sum(e.cpu_time_total for e in events if e.key == "engine_step")
+    native = sum(e.self_cpu_time_total for e in events if e.key != "engine_step")
+    return {"step_ms": wall / 1000 / steps, "python_ms": (wall - native) / 1000 / steps, "share": 1 - native / wall}
+
+
+def run_setup(code_root: Path, setup: str, args: argparse.Namespace, profile: bool = False) -> dict:
+    """One setup in a fresh process (so setups do not share allocator state or warm caches)."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--measure",
+            setup,
+            "--code-root",
+            str(code_root),
+            "--seqs",
+            str(args.profile_seqs if profile else args.seqs),
+            "--prompt-tokens",
+            str(args.prompt_tokens),
+            "--steps",
+            str(args.steps),
+            "--threads",
+            str(args.threads),
+            *(["--profile"] if profile else []),
+        ],
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def commit_of(rev: str) -> str:
+    return subprocess.run(
+        ["git", "rev-parse", "--short", rev], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout.strip()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument("--steps", type=int, default=48, help="tokens each sequence decodes (3 compressions)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--baseline", help="a git revision to measure side by side (before/after)")
+    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    parser.add_argument("--profile-seqs", type=int, default=0, help="also profile decode steps at this batch")
+    parser.add_argument("--out", type=Path, default=RESULTS / "decode_step")
+    parser.add_argument("--measure", help=argparse.SUPPRESS)
+    parser.add_argument("--code-root", type=Path, default=ROOT, help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        result = measure(
+            args.code_root, args.measure, args.seqs, args.prompt_tokens, args.steps, args.threads, args.profile
+        )
+        print(json.dumps(result))
+        return
+    trees = {"this tree": ROOT}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.baseline:
+            baseline = Path(tmp) / f"baseline-{commit_of(args.baseline)}"
+            subprocess.run(["git", "worktree", "add", "--detach", str(baseline), args.baseline], cwd=ROOT, check=True)
+            trees = {f"{args.baseline} ({commit_of(args.baseline)})": baseline, "this tree": ROOT}
+        try:
+            results = {tree: {} for tree in trees}
+            for setup in tqdm(args.setups, desc="decode step", unit="setup"):
+                for tree, root in trees.items():  # taking turns: drift on this machine hits both alike
+                    results[tree][setup] = run_setup(root, setup, args)
+            profiles = {}
+            if args.profile_seqs:
+                for setup in ("compression off", "int8, rate 0.6"):
+                    profiles[setup] = run_setup(ROOT, setup, args, profile=True)["python_share"]
+        finally:
+            if args.baseline:
+                subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=ROOT, check=True)
+    data = {"commit": commit_of("HEAD"), "results": results, "profiles": profiles}
+    save_report(args.out, "Decode step at the same batch", table(data, args), data, args)
+
+
+def table(data: dict, args: argparse.Namespace) -> str:
+    lines = [
+        f"{args.seqs} sequences of {args.prompt_tokens} prompt tokens decoding together, {args.threads} CPU threads, "
+        f"median of {args.steps}-token runs' pure decode steps; commit {data['commit']}, "
+        f"`python benchmarks/decode_step.py{' --baseline ' + args.baseline if args.baseline else ''}`.",
+        "",
+        "| code | setup | median decode step | vs compression off | compression engine (median) |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for tree, rows in data["results"].items():
+        off = rows.get("compression off", {}).get("median_step_ms")
+        for setup, row in rows.items():
+            step, engine = row["median_step_ms"], row["median_compression_ms"]
+            ratio = f"{step / off:.2f}x" if off else "-"
+            lines.append(f"| {tree} | {setup} | {step:.0f} ms | {ratio} | {engine:.1f} ms |")
+    if data["profiles"]:
+        lines += ["", f"Python share of a decode step at {args.profile_seqs} sequences (torch profiler, 4 steps):", ""]
+        lines += ["| setup | step | outside operators and kernel | share |", "| --- | ---: | ---: | ---: |"]
+        for setup, p in data["profiles"].items():
+            lines.append(f"| {setup} | {p['step_ms']:.0f} ms | {p['python_ms']:.1f} ms | {100 * p['share']:.1f}% |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

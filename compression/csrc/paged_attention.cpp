@@ -1,0 +1,610 @@
+// Fused decode attention over the block-paged KV pool, on CPU. The semantics (layouts, key order with
+// KEY_ONLY entries first, GQA, outputs) are those of decode_attention_reference in
+// compression/paged_attention.py. Work items are spans of kSpan entries of a (row, KV head) pair: each
+// reads its entries in place at their storage format, scores all query heads of the group against each
+// key vector loaded (and decoded) once, and keeps an online softmax over tiles of entries; the spans of
+// a pair are then merged.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+// The build stays portable (no -march): the hot path is compiled per ISA level and picked at load time.
+#define CONFKV_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define CONFKV_MULTIVERSION
+#endif
+// Forced inlining puts the templated loops inside each ISA clone of the caller.
+#define CONFKV_INLINE inline __attribute__((always_inline))
+
+namespace {
+
+enum Format : int64_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt8 = 3, kInt4 = 4 };
+
+constexpr int64_t kTile = 64;  // entries scored per online-softmax step
+// Entries per work item. Splitting long sequences keeps every thread busy when a batch has few rows; the
+// split depends on the sequence alone, so a row's result does not depend on the batch or the thread count.
+constexpr int64_t kSpan = 256;
+constexpr int64_t kUnroll = 4;  // key (value) vectors processed together (the loops name four), for independent sums
+
+CONFKV_INLINE float from_bits(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+CONFKV_INLINE uint32_t to_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
+
+// fp16 -> fp32 with integer ops and masks only (no branches), so that loops over it vectorise at any
+// ISA level.
+CONFKV_INLINE float half_to_float(uint16_t h) {
+  const uint32_t em = h & 0x7fffu;
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t inf_nan = 0u - static_cast<uint32_t>(em >= 0x7c00u);
+  const uint32_t subnormal = 0u - static_cast<uint32_t>(em < 0x400u);
+  // Rebias the exponent (15 -> 127); an all-ones exponent (inf, nan) must stay all ones.
+  const uint32_t normal_bits = (em << 13) + (112u << 23) + (inf_nan & (112u << 23));
+  const uint32_t subnormal_bits = to_bits(static_cast<float>(static_cast<int32_t>(em)) * 0x1p-24f);
+  return from_bits((subnormal_bits & subnormal) | (normal_bits & ~subnormal) | sign);
+}
+
+// exp(x) for x <= 0 (scores minus their running max): Cephes' expf polynomial, which vectorises where
+// std::exp does not (glibc's vector exp needs -ffast-math). Relative error below 1e-7.
+CONFKV_INLINE float exp_nonpositive(float x) {
+  // Below -87 the result underflows: clamp, then zero it. Compared as integers (for x <= 0 the bit
+  // patterns order like the magnitudes) because float compares block vectorisation under trapping math.
+  const uint32_t limit = 0xc2ae0000u;  // -87.0f
+  const uint32_t underflow = 0u - static_cast<uint32_t>(to_bits(x) > limit);
+  const float xc = from_bits((to_bits(x) & ~underflow) | (limit & underflow));
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer kept in the low mantissa bits
+  const float t = xc * 1.44269504088896341f + magic;
+  const float n = t - magic;
+  const int32_t ni = static_cast<int32_t>(to_bits(t) - to_bits(magic));
+  const float r = xc - n * 0.693359375f - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  return from_bits(to_bits(y * from_bits(static_cast<uint32_t>(ni + 127) << 23)) & ~underflow);
+}
+
+struct Pool {
+  const uint8_t* data = nullptr;
+  const uint16_t* params = nullptr;  // fp16 bits: scale (and minimum at 4 bits)
+  int64_t format = kFloat32;
+  int64_t num_blocks = 0;
+  int64_t kv_heads = 0;
+  int64_t num_params = 0;
+};
+
+// Bytes of one entry's vector in format F.
+template <int64_t F>
+constexpr int64_t entry_bytes(int64_t dim) {
+  if constexpr (F == kFloat32) return dim * 4;
+  if constexpr (F == kFloat16 || F == kBFloat16) return dim * 2;
+  if constexpr (F == kInt8) return dim;
+  return dim / 2;
+}
+
+// The vector of entry `e` as float32: a pointer into the pool for float32, else decoded into `buf`.
+template <int64_t F>
+CONFKV_INLINE const float* load(const Pool& pool, int64_t e, int64_t dim, float* buf) {
+  if constexpr (F == kFloat32) {
+    return reinterpret_cast<const float*>(pool.data) + e * dim;
+  } else if constexpr (F == kFloat16) {
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(pool.data) + e * dim;
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) buf[i] = half_to_float(src[i]);
+  } else if constexpr (F == kBFloat16) {
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(pool.data) + e * dim;
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) buf[i] = from_bits(static_cast<uint32_t>(src[i]) << 16);
+  } else if constexpr (F == kInt8) {
+    const int8_t* src = reinterpret_cast<const int8_t*>(pool.data) + e * dim;
+    const float scale = half_to_float(pool.params[e * pool.num_params]);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) buf[i] = static_cast<float>(src[i]) * scale;
+  } else {
+    // Low nibble of byte i is dimension i, high nibble dimension i + dim / 2.
+    const int64_t half = dim / 2;
+    const uint8_t* src = pool.data + e * half;
+    const float scale = half_to_float(pool.params[e * pool.num_params]);
+    const float minimum = half_to_float(pool.params[e * pool.num_params + 1]);
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      buf[i] = static_cast<float>(src[i] & 0x0f) * scale + minimum;
+      buf[i + half] = static_cast<float>(src[i] >> 4) * scale + minimum;
+    }
+  }
+  return buf;
+}
+
+// Walks a table of `entries` entries in order from `start`, without a division per entry.
+class Cursor {
+ public:
+  Cursor(const int32_t* table, int64_t block_size, int64_t start, int64_t entries)
+      : table_(table),
+        block_size_(block_size),
+        last_block_((entries + block_size - 1) / block_size - 1),
+        index_(start / block_size),
+        offset_(start % block_size) {}
+
+  // The current entry's vector as float32 (see load), then a step to the next entry.
+  template <int64_t F>
+  CONFKV_INLINE const float* take(const Pool& pool, int64_t kv_head, int64_t dim, float* buf) {
+    const float* vec = load<F>(pool, entry(table_[index_], pool, kv_head), dim, buf);
+    // Blocks are scattered, so the hardware prefetcher cannot follow from one block to the next:
+    // request the entry one block ahead.
+    if (index_ < last_block_) {
+      const int64_t ahead = entry(table_[index_ + 1], pool, kv_head);
+      const char* bytes = reinterpret_cast<const char*>(pool.data) + ahead * entry_bytes<F>(dim);
+      for (int64_t b = 0; b < entry_bytes<F>(dim); b += 64) __builtin_prefetch(bytes + b);
+      if (pool.params != nullptr) __builtin_prefetch(pool.params + ahead * pool.num_params);
+    }
+    if (++offset_ == block_size_) {
+      offset_ = 0;
+      ++index_;
+    }
+    return vec;
+  }
+
+ private:
+  // Index of an entry in the pool's [num_blocks, kv_heads, block_size] entries.
+  CONFKV_INLINE int64_t entry(int32_t block, const Pool& pool, int64_t kv_head) const {
+    return (static_cast<int64_t>(block) * pool.kv_heads + kv_head) * block_size_ + offset_;
+  }
+
+  const int32_t* table_;
+  int64_t block_size_;
+  int64_t last_block_;
+  int64_t index_;
+  int64_t offset_;
+};
+
+struct Args {
+  const float* query;
+  int64_t heads, kv_heads, group, dim;
+  std::vector<Pool> pools;
+  const int32_t* row_slot;
+  const int32_t* row_pool;
+  int64_t key_only_pool;
+  const int32_t* key_tables;
+  const int32_t* value_tables;
+  const int32_t* key_only_tables;
+  int64_t key_stride, value_stride, key_only_stride;
+  const int32_t* num_keys;
+  const int32_t* num_key_only;
+  int64_t block_size;
+  float scale;
+  const int32_t* observe_index;
+  std::vector<int64_t> observed_row;  // per observed index: the row that fills it, or -1
+  int64_t width;  // entries held by the longest observed row
+  int64_t spans;  // spans per (row, KV head) pair: those of the longest row
+  // Per span: online-softmax state [spans total, group] and unnormalised output [spans total, group, dim].
+  float* span_max;
+  float* span_sum;
+  float* span_acc;
+  float* raw;  // [num_observed, heads, width]: observed rows' scaled scores
+  float* head_max;  // [rows, heads]: the final max and sum of exp, for the observed probabilities
+  float* head_sum;
+  float* out;
+  float* lse;
+  float* observed;
+};
+
+// Per-thread buffers.
+struct Scratch {
+  std::vector<float> keys, values;  // kUnroll decoded vectors each
+  std::vector<float> scores;  // [group, kTile]: scaled scores, then their exp
+
+  explicit Scratch(const Args& a) : keys(kUnroll * a.dim), values(kUnroll * a.dim), scores(a.group * kTile) {}
+};
+
+// Scaled scores of the next `count` keys against every query head of the group, into s.scores.
+template <int64_t F>
+CONFKV_INLINE void score_tile(const Args& a, const Pool& pool, Cursor& keys, int64_t kv_head, const float* q,
+                              int64_t count, Scratch& s) {
+  const int64_t dim = a.dim;
+  float* scores = s.scores.data();
+  int64_t t = 0;
+  for (; t + kUnroll <= count; t += kUnroll) {
+    const float* k[kUnroll];
+    for (int64_t u = 0; u < kUnroll; ++u) k[u] = keys.take<F>(pool, kv_head, dim, s.keys.data() + u * dim);
+    const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3];
+    for (int64_t g = 0; g < a.group; ++g) {
+      const float* qg = q + g * dim;
+      float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+      for (int64_t i = 0; i < dim; ++i) {
+        a0 += qg[i] * k0[i];
+        a1 += qg[i] * k1[i];
+        a2 += qg[i] * k2[i];
+        a3 += qg[i] * k3[i];
+      }
+      float* sg = scores + g * kTile + t;
+      sg[0] = a0 * a.scale;
+      sg[1] = a1 * a.scale;
+      sg[2] = a2 * a.scale;
+      sg[3] = a3 * a.scale;
+    }
+  }
+  for (; t < count; ++t) {
+    const float* k0 = keys.take<F>(pool, kv_head, dim, s.keys.data());
+    for (int64_t g = 0; g < a.group; ++g) {
+      const float* qg = q + g * dim;
+      float a0 = 0.f;
+#pragma omp simd reduction(+ : a0)
+      for (int64_t i = 0; i < dim; ++i) a0 += qg[i] * k0[i];
+      scores[g * kTile + t] = a0 * a.scale;
+    }
+  }
+}
+
+// acc[g] += p[g, t] * value_t for tile positions t in [begin, end), values read through `values`.
+template <int64_t F>
+CONFKV_INLINE void accumulate_values(const Args& a, const Pool& pool, Cursor& values, int64_t kv_head, int64_t begin,
+                                     int64_t end, float* acc, Scratch& s) {
+  const int64_t dim = a.dim;
+  const float* probs = s.scores.data();
+  int64_t t = begin;
+  for (; t + kUnroll <= end; t += kUnroll) {
+    const float* v[kUnroll];
+    for (int64_t u = 0; u < kUnroll; ++u) v[u] = values.take<F>(pool, kv_head, dim, s.values.data() + u * dim);
+    const float *v0 = v[0], *v1 = v[1], *v2 = v[2], *v3 = v[3];
+    for (int64_t g = 0; g < a.group; ++g) {
+      const float* pg = probs + g * kTile + t;
+      const float p0 = pg[0], p1 = pg[1], p2 = pg[2], p3 = pg[3];
+      float* acc_g = acc + g * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) acc_g[i] += p0 * v0[i] + p1 * v1[i] + p2 * v2[i] + p3 * v3[i];
+    }
+  }
+  for (; t < end; ++t) {
+    const float* v0 = values.take<F>(pool, kv_head, dim, s.values.data());
+    for (int64_t g = 0; g < a.group; ++g) {
+      const float p0 = probs[g * kTile + t];
+      float* acc_g = acc + g * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) acc_g[i] += p0 * v0[i];
+    }
+  }
+}
+
+CONFKV_INLINE void accumulate_key_only(const Args& a, const Pool& pool, Cursor& values, int64_t kv_head, int64_t end,
+                                       float* acc, Scratch& s) {
+  switch (pool.format) {
+    case kFloat32:
+      return accumulate_values<kFloat32>(a, pool, values, kv_head, 0, end, acc, s);
+    case kFloat16:
+      return accumulate_values<kFloat16>(a, pool, values, kv_head, 0, end, acc, s);
+    case kBFloat16:
+      return accumulate_values<kBFloat16>(a, pool, values, kv_head, 0, end, acc, s);
+    case kInt8:
+      return accumulate_values<kInt8>(a, pool, values, kv_head, 0, end, acc, s);
+    default:
+      return accumulate_values<kInt4>(a, pool, values, kv_head, 0, end, acc, s);
+  }
+}
+
+// Entries [begin, end) of a (row, KV head) pair, into the span's max, sum and acc; F is the format of the
+// row's pool (its keys and FULL values).
+template <int64_t F>
+CONFKV_INLINE void attend(const Args& a, int64_t row, int64_t kv_head, int64_t begin, int64_t end, float* max,
+                          float* sum, float* acc, Scratch& s) {
+  const int64_t slot = a.row_slot[row];
+  const int64_t n = a.num_keys[slot];
+  const int64_t n_key_only = a.num_key_only[slot];
+  const Pool& pool = a.pools[a.row_pool[row]];
+  const int64_t dim = a.dim;
+  const float* q = a.query + (row * a.heads + kv_head * a.group) * dim;
+  const int64_t observe = a.observe_index[row];
+  std::fill(max, max + a.group, -std::numeric_limits<float>::infinity());
+  std::fill(sum, sum + a.group, 0.f);
+  std::fill(acc, acc + a.group * dim, 0.f);
+  Cursor keys(a.key_tables + slot * a.key_stride, a.block_size, begin, n);
+  Cursor key_only_values(a.key_only_tables + slot * a.key_only_stride, a.block_size, std::min(begin, n_key_only),
+                         n_key_only);
+  Cursor full_values(a.value_tables + slot * a.value_stride, a.block_size, std::max(begin - n_key_only, int64_t{0}),
+                     n - n_key_only);
+  for (int64_t j0 = begin; j0 < end; j0 += kTile) {
+    const int64_t count = std::min(kTile, end - j0);
+    score_tile<F>(a, pool, keys, kv_head, q, count, s);
+    for (int64_t g = 0; g < a.group; ++g) {
+      float* sg = s.scores.data() + g * kTile;
+      if (observe >= 0) {
+        std::copy(sg, sg + count, a.raw + (observe * a.heads + kv_head * a.group + g) * a.width + j0);
+      }
+      float tile_max = -std::numeric_limits<float>::infinity();
+      // A plain compare-select: std::max does not vectorise here.
+#pragma omp simd reduction(max : tile_max)
+      for (int64_t t = 0; t < count; ++t) tile_max = sg[t] > tile_max ? sg[t] : tile_max;
+      const float new_max = std::max(max[g], tile_max);
+      float tile_sum = 0.f;
+#pragma omp simd reduction(+ : tile_sum)
+      for (int64_t t = 0; t < count; ++t) {
+        sg[t] = exp_nonpositive(sg[t] - new_max);
+        tile_sum += sg[t];
+      }
+      if (new_max > max[g]) {
+        // Rescale what was accumulated under the previous max (nothing on the first tile).
+        const float alpha = std::exp(max[g] - new_max);
+        sum[g] *= alpha;
+        float* acc_g = acc + g * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) acc_g[i] *= alpha;
+        max[g] = new_max;
+      }
+      sum[g] += tile_sum;
+    }
+    // KEY_ONLY entries come first in key order; their values live in the key-only pool.
+    const int64_t key_only_end = std::clamp(n_key_only - j0, int64_t{0}, count);
+    if (key_only_end > 0) {
+      accumulate_key_only(a, a.pools[a.key_only_pool], key_only_values, kv_head, key_only_end, acc, s);
+    }
+    accumulate_values<F>(a, pool, full_values, kv_head, key_only_end, count, acc, s);
+  }
+}
+
+CONFKV_MULTIVERSION void attend_span(const Args& a, int64_t row, int64_t kv_head, int64_t begin, int64_t end,
+                                     float* max, float* sum, float* acc, Scratch& s) {
+  switch (a.pools[a.row_pool[row]].format) {
+    case kFloat32:
+      return attend<kFloat32>(a, row, kv_head, begin, end, max, sum, acc, s);
+    case kFloat16:
+      return attend<kFloat16>(a, row, kv_head, begin, end, max, sum, acc, s);
+    case kBFloat16:
+      return attend<kBFloat16>(a, row, kv_head, begin, end, max, sum, acc, s);
+    case kInt8:
+      return attend<kInt8>(a, row, kv_head, begin, end, max, sum, acc, s);
+    default:
+      return attend<kInt4>(a, row, kv_head, begin, end, max, sum, acc, s);
+  }
+}
+
+// Combines the spans of a (row, KV head) pair into its output and lse.
+CONFKV_MULTIVERSION void merge_spans(const Args& a, int64_t row, int64_t kv_head) {
+  const int64_t n = a.num_keys[a.row_slot[row]];
+  const int64_t dim = a.dim;
+  const int64_t head0 = row * a.heads + kv_head * a.group;
+  const int64_t span0 = (row * a.kv_heads + kv_head) * a.spans;
+  const int64_t used = (n + kSpan - 1) / kSpan;
+  for (int64_t g = 0; g < a.group; ++g) {
+    float* out = a.out + (head0 + g) * dim;
+    std::fill(out, out + dim, 0.f);
+    float max = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < used; ++c) max = std::max(max, a.span_max[(span0 + c) * a.group + g]);
+    float sum = 0.f;
+    for (int64_t c = 0; c < used; ++c) {
+      const int64_t i = (span0 + c) * a.group + g;
+      const float weight = std::exp(a.span_max[i] - max);
+      sum += a.span_sum[i] * weight;
+      const float* acc = a.span_acc + i * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) out[d] += acc[d] * weight;
+    }
+    if (n > 0) {
+      const float inv = 1.f / sum;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) out[d] *= inv;
+    }
+    a.lse[head0 + g] = n > 0 ? max + std::log(sum) : -std::numeric_limits<float>::infinity();
+    a.head_max[head0 + g] = max;
+    a.head_sum[head0 + g] = sum;
+  }
+}
+
+// The probability each entry received, mean over all heads, for one observed index.
+CONFKV_MULTIVERSION void observe_probabilities(const Args& a, int64_t o) {
+  float* dst = a.observed + o * a.width;
+  std::fill(dst, dst + a.width, 0.f);
+  const int64_t row = a.observed_row[o];
+  if (row < 0) return;
+  const int64_t n = a.num_keys[a.row_slot[row]];
+  for (int64_t h = 0; h < a.heads; ++h) {
+    const float* raw = a.raw + (o * a.heads + h) * a.width;
+    const float max = a.head_max[row * a.heads + h];
+    const float inv = 1.f / a.head_sum[row * a.heads + h];
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) dst[j] += exp_nonpositive(raw[j] - max) * inv;
+  }
+  const auto heads = static_cast<float>(a.heads);
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) dst[j] /= heads;
+}
+
+const int32_t* int32_data(const at::Tensor& t, const char* name, int64_t dims) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kInt && t.is_contiguous() && t.dim() == dims, name,
+              " must be a contiguous int32 CPU tensor with ", dims, " dimension(s)");
+  return t.data_ptr<int32_t>();
+}
+
+// Every block the row reads lies in its pool: a bad table must raise, not read out of bounds.
+void check_table(const int32_t* table, int64_t stride, int64_t entries, int64_t block_size, const Pool& pool,
+                 const char* name) {
+  const int64_t blocks = (entries + block_size - 1) / block_size;
+  TORCH_CHECK(blocks <= stride, name, " has ", stride, " blocks per slot, ", blocks, " needed");
+  for (int64_t b = 0; b < blocks; ++b) {
+    TORCH_CHECK(table[b] >= 0 && table[b] < pool.num_blocks, name, " names block ", table[b], " of a pool of ",
+                pool.num_blocks);
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
+    const at::Tensor& query, const std::vector<at::Tensor>& pool_data, const std::vector<at::Tensor>& pool_params,
+    const std::vector<int64_t>& pool_formats, const at::Tensor& row_slot, const at::Tensor& row_pool,
+    int64_t key_only_pool, const at::Tensor& key_tables, const at::Tensor& value_tables,
+    const at::Tensor& key_only_tables, const at::Tensor& num_keys, const at::Tensor& num_key_only, int64_t block_size,
+    double scale, const at::Tensor& observe_index, int64_t num_observed) {
+  TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kFloat && query.is_contiguous() &&
+                  query.dim() == 3,
+              "query must be a contiguous float32 CPU tensor [rows, heads, head_dim]");
+  const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
+  TORCH_CHECK(dim > 0 && dim % 2 == 0, "head_dim must be even, got ", dim);
+  TORCH_CHECK(block_size > 0, "block_size must be positive");
+  TORCH_CHECK(pool_data.size() == pool_params.size() && pool_data.size() == pool_formats.size() && !pool_data.empty(),
+              "pool_data, pool_params and pool_formats must be non-empty and of the same length");
+
+  Args a{};
+  a.query = query.data_ptr<float>();
+  a.heads = heads;
+  a.dim = dim;
+  a.kv_heads = pool_data[0].dim() == 4 ? pool_data[0].size(1) : 0;
+  TORCH_CHECK(a.kv_heads > 0 && heads % a.kv_heads == 0, "heads (", heads, ") must be a multiple of kv_heads (",
+              a.kv_heads, ")");
+  a.group = heads / a.kv_heads;
+  for (size_t i = 0; i < pool_data.size(); ++i) {
+    const at::Tensor& data = pool_data[i];
+    const at::Tensor& params = pool_params[i];
+    const int64_t format = pool_formats[i];
+    static const at::ScalarType dtypes[] = {at::kFloat, at::kHalf, at::kBFloat16, at::kChar, at::kByte};
+    TORCH_CHECK(format >= kFloat32 && format <= kInt4, "pool ", i, ": unknown format code ", format);
+    const int64_t width = format == kInt4 ? dim / 2 : dim;
+    TORCH_CHECK(data.device().is_cpu() && data.is_contiguous() && data.scalar_type() == dtypes[format] &&
+                    data.dim() == 4 && data.size(1) == a.kv_heads && data.size(2) == block_size &&
+                    data.size(3) == width,
+                "pool ", i, ": data must be a contiguous CPU tensor [num_blocks, ", a.kv_heads, ", ", block_size, ", ",
+                width, "] of ", dtypes[format]);
+    Pool pool;
+    pool.data = static_cast<const uint8_t*>(data.data_ptr());
+    pool.format = format;
+    pool.num_blocks = data.size(0);
+    pool.kv_heads = a.kv_heads;
+    if (format == kInt8 || format == kInt4) {
+      const int64_t needed = format == kInt4 ? 2 : 1;
+      TORCH_CHECK(params.device().is_cpu() && params.is_contiguous() && params.scalar_type() == at::kHalf &&
+                      params.dim() == 4 && params.size(0) == data.size(0) && params.size(1) == a.kv_heads &&
+                      params.size(2) == block_size && params.size(3) >= needed,
+                  "pool ", i, ": params must be a contiguous float16 CPU tensor [num_blocks, ", a.kv_heads, ", ",
+                  block_size, ", ", needed, "]");
+      pool.params = reinterpret_cast<const uint16_t*>(params.data_ptr());
+      pool.num_params = params.size(3);
+    }
+    a.pools.push_back(pool);
+  }
+  const auto num_pools = static_cast<int64_t>(a.pools.size());
+
+  a.row_slot = int32_data(row_slot, "row_slot", 1);
+  a.row_pool = int32_data(row_pool, "row_pool", 1);
+  a.observe_index = int32_data(observe_index, "observe_index", 1);
+  a.key_tables = int32_data(key_tables, "key_tables", 2);
+  a.value_tables = int32_data(value_tables, "value_tables", 2);
+  a.key_only_tables = int32_data(key_only_tables, "key_only_tables", 2);
+  a.num_keys = int32_data(num_keys, "num_keys", 1);
+  a.num_key_only = int32_data(num_key_only, "num_key_only", 1);
+  const int64_t slots = num_keys.size(0);
+  TORCH_CHECK(row_slot.size(0) == rows && row_pool.size(0) == rows && observe_index.size(0) == rows,
+              "row_slot, row_pool and observe_index must have one entry per query row");
+  TORCH_CHECK(num_key_only.size(0) == slots && key_tables.size(0) == slots && value_tables.size(0) == slots &&
+                  key_only_tables.size(0) == slots,
+              "num_keys, num_key_only and the tables must have one row per slot");
+  a.key_stride = key_tables.size(1);
+  a.value_stride = value_tables.size(1);
+  a.key_only_stride = key_only_tables.size(1);
+  a.key_only_pool = key_only_pool;
+  a.block_size = block_size;
+  a.scale = static_cast<float>(scale);
+  TORCH_CHECK(num_observed >= 0, "num_observed must be >= 0");
+
+  a.width = 0;
+  a.observed_row.assign(num_observed, -1);
+  int64_t longest = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t slot = a.row_slot[r];
+    TORCH_CHECK(slot >= 0 && slot < slots, "row ", r, ": slot ", slot, " out of range");
+    TORCH_CHECK(a.row_pool[r] >= 0 && a.row_pool[r] < num_pools, "row ", r, ": pool ", a.row_pool[r], " out of range");
+    const int64_t n = a.num_keys[slot], n_key_only = a.num_key_only[slot];
+    TORCH_CHECK(n >= 0 && n_key_only >= 0 && n_key_only <= n, "slot ", slot, ": bad num_keys ", n,
+                " / num_key_only ", n_key_only);
+    const Pool& pool = a.pools[a.row_pool[r]];
+    check_table(a.key_tables + slot * a.key_stride, a.key_stride, n, block_size, pool, "key_tables");
+    check_table(a.value_tables + slot * a.value_stride, a.value_stride, n - n_key_only, block_size, pool,
+                "value_tables");
+    if (n_key_only > 0) {
+      TORCH_CHECK(key_only_pool >= 0 && key_only_pool < num_pools, "key_only_pool ", key_only_pool, " out of range");
+      check_table(a.key_only_tables + slot * a.key_only_stride, a.key_only_stride, n_key_only, block_size,
+                  a.pools[key_only_pool], "key_only_tables");
+    }
+    longest = std::max(longest, n);
+    const int64_t observe = a.observe_index[r];
+    TORCH_CHECK(observe < num_observed, "row ", r, ": observe_index ", observe, " >= num_observed ", num_observed);
+    if (observe >= 0) {
+      // Rows write their observed scores unsynchronised: each index must have one row.
+      TORCH_CHECK(a.observed_row[observe] < 0, "observe_index ", observe, " is used by more than one row");
+      a.observed_row[observe] = r;
+      a.width = std::max(a.width, n);
+    }
+  }
+
+  const auto f32 = query.options();
+  at::Tensor out = at::empty({rows, heads, dim}, f32);
+  at::Tensor lse = at::empty({rows, heads}, f32);
+  at::Tensor observed = at::empty({num_observed, a.width}, f32);
+  a.spans = (longest + kSpan - 1) / kSpan;
+  const int64_t pairs = rows * a.kv_heads;
+  const int64_t items = pairs * a.spans;
+  // Scratch, kept per calling thread: a fresh allocation of this size would page-fault on every call.
+  // Every element read is written first in the call.
+  thread_local std::vector<float> workspace;
+  const int64_t span_floats = items * a.group * (dim + 2), head_floats = 2 * rows * heads;
+  const int64_t raw_floats = num_observed * heads * a.width;
+  workspace.resize(std::max<size_t>(workspace.size(), span_floats + head_floats + raw_floats));
+  a.span_max = workspace.data();
+  a.span_sum = a.span_max + items * a.group;
+  a.span_acc = a.span_sum + items * a.group;
+  a.head_max = a.span_max + span_floats;
+  a.head_sum = a.head_max + rows * heads;
+  a.raw = a.head_max + head_floats;
+  a.out = out.data_ptr<float>();
+  a.lse = lse.data_ptr<float>();
+  a.observed = observed.data_ptr<float>();
+
+  const int threads = static_cast<int>(std::clamp<int64_t>(items, 1, at::get_num_threads()));
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch scratch(a);
+    // Dynamic: rows differ in length, so items differ in cost (those past a row's end in none).
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t pair = item / a.spans, row = pair / a.kv_heads, kv_head = pair % a.kv_heads;
+      const int64_t begin = (item % a.spans) * kSpan;
+      const int64_t end = std::min(begin + kSpan, static_cast<int64_t>(a.num_keys[a.row_slot[row]]));
+      if (begin < end) {
+        attend_span(a, row, kv_head, begin, end, a.span_max + item * a.group, a.span_sum + item * a.group,
+                    a.span_acc + item * a.group * dim, scratch);
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t pair = 0; pair < pairs; ++pair) merge_spans(a, pair / a.kv_heads, pair % a.kv_heads);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t o = 0; o < num_observed; ++o) observe_probabilities(a, o);
+  }
+  return {out, lse, observed};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention,
+        "Decode attention over the block-paged KV pool; see compression/paged_attention.py",
+        py::arg("query"), py::arg("pool_data"), py::arg("pool_params"), py::arg("pool_formats"), py::arg("row_slot"),
+        py::arg("row_pool"), py::arg("key_only_pool"), py::arg("key_tables"), py::arg("value_tables"),
+        py::arg("key_only_tables"), py::arg("num_keys"), py::arg("num_key_only"), py::arg("block_size"),
+        py::arg("scale"), py::arg("observe_index"), py::arg("num_observed"),
+        // The pass holds no Python state: let the server's other threads run meanwhile.
+        py::call_guard<py::gil_scoped_release>());
+}
