@@ -7,7 +7,8 @@ width]` and, when quantised, `params [blocks, kv_heads, block_size, 1 or 2]` (se
 that reuse a prefix share them without copying; a block is written only while one holder has it.
 
 A pool grows in large steps (by half, at least `MIN_GROWTH` blocks) and never shrinks: the KV
-store decides what may be held (the budget); the pool is where it lives.
+store decides what may be held (the budget); the pool is where it lives. New blocks are zeroed, so
+the memory a pool reports is memory the process really holds.
 """
 
 from __future__ import annotations
@@ -134,10 +135,10 @@ class BlockPool:
 
     def _empty_data(self, blocks: int) -> torch.Tensor:
         shape = (blocks, self.kv_heads, self.block_size, self.codec.width)
-        return torch.empty(shape, dtype=self.codec.dtype, device=self.device)
+        return torch.zeros(shape, dtype=self.codec.dtype, device=self.device)
 
     def _empty_params(self, blocks: int) -> torch.Tensor | None:
         if not self.codec.quantized:
             return None
         shape = (blocks, self.kv_heads, self.block_size, 1 if self.codec.bits == 8 else 2)
-        return torch.empty(shape, dtype=SCALE_DTYPE, device=self.device)
+        return torch.zeros(shape, dtype=SCALE_DTYPE, device=self.device)

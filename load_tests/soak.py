@@ -28,24 +28,25 @@ from load_tests.run import ROOT, run_locust, served  # noqa: E402
 RESULTS = ROOT / "load_tests" / "results"
 
 
-def kv_pools(url: str) -> dict[str, float]:
-    pools = {}
+def kv_pools(url: str) -> tuple[dict[str, float], float]:
+    """KV bytes held by pool (running, prefix, audit), and the memory of the block pools and audit buffers."""
+    pools, blocks = {}, 0.0
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
         if line.startswith('kv_cache_bytes{pool="'):
             pools[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
-    return pools
+        elif line.startswith("kv_cache_pool_bytes{"):
+            blocks += float(line.rsplit(" ", 1)[1])
+    return pools, blocks + pools.get("audit", 0.0)
 
 
 def sample(url: str, pid: int, samples: list[dict], stop: threading.Event, every: float) -> None:
     process = psutil.Process(pid)
     started = time.monotonic()
     while not stop.is_set():
-        pools = kv_pools(url)
+        pools, kv_memory = kv_pools(url)
         rss = process.memory_info().rss
-        # The KV pools may grow by design (the prefix cache fills up to max_cache_size): judge the rest.
-        samples.append(
-            {"t": time.monotonic() - started, "rss": rss, "rss_without_kv": rss - sum(pools.values()), **pools}
-        )
+        # The block pools may grow by design (the prefix cache fills up to max_cache_size): judge the rest.
+        samples.append({"t": time.monotonic() - started, "rss": rss, "rss_without_kv": rss - kv_memory, **pools})
         stop.wait(every)
 
 
@@ -72,7 +73,7 @@ def main() -> int:
         try:
             code = run_locust(url, args.users, 2.0, args.duration, args.out.with_name("soak_locust"))
             time.sleep(5)  # the last requests finish
-            end = kv_pools(url)
+            end = kv_pools(url)[0]
         finally:
             stop.set()
             watcher.join(15)
