@@ -116,7 +116,7 @@ def run_setup(code_root: Path, setup: str, args: argparse.Namespace, profile: bo
             "--seqs",
             str(args.profile_seqs if profile else args.seqs),
             "--prompt-tokens",
-            str(args.prompt_tokens),
+            str(args.profile_prompt_tokens if profile else args.prompt_tokens),
             "--steps",
             str(args.steps),
             "--threads",
@@ -145,6 +145,7 @@ def main() -> None:
     parser.add_argument("--baseline", help="a git revision to measure side by side (before/after)")
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
     parser.add_argument("--profile-seqs", type=int, default=0, help="also profile decode steps at this batch")
+    parser.add_argument("--profile-prompt-tokens", type=int, default=512, help="prompt length of the profiled runs")
     parser.add_argument("--out", type=Path, default=RESULTS / "decode_step")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     parser.add_argument("--code-root", type=Path, default=ROOT, help=argparse.SUPPRESS)
@@ -194,7 +195,12 @@ def table(data: dict, args: argparse.Namespace) -> str:
             ratio = f"{step / off:.2f}x" if off else "-"
             lines.append(f"| {tree} | {setup} | {step:.0f} ms | {ratio} | {engine:.1f} ms |")
     if data["profiles"]:
-        lines += ["", f"Python share of a decode step at {args.profile_seqs} sequences (torch profiler, 4 steps):", ""]
+        lines += [
+            "",
+            f"Python share of a decode step at {args.profile_seqs} sequences of {args.profile_prompt_tokens} prompt "
+            "tokens (torch profiler, 4 steps; time outside torch operators and the decode kernel):",
+            "",
+        ]
         lines += ["| setup | step | outside operators and kernel | share |", "| --- | ---: | ---: | ---: |"]
         for setup, p in data["profiles"].items():
             lines.append(f"| {setup} | {p['step_ms']:.0f} ms | {p['python_ms']:.1f} ms | {100 * p['share']:.1f}% |")
