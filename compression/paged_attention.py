@@ -4,8 +4,8 @@ One call per layer serves every decoding sequence of the step: one query row per
 that sequence's keys and values through its block tables, in place, at their storage format (float
 or int8/int4 codes with their scales). This interface is what a kernel takes, on any device:
 
-- `pools[i]` holds blocks of one storage format, `data [num_blocks, kv_heads, block_size, width]`
-  and, when quantised, `params [num_blocks, kv_heads, block_size, 1 or 2]` (fp16 scale, and
+- `pools[i]` holds blocks of one storage format, `data [num_blocks, block_size, kv_heads, width]`
+  and, when quantised, `params [num_blocks, block_size, kv_heads, 1 or 2]` (fp16 scale, and
   minimum at 4 bits; see `compression.quant`). Entry j of a table lives at block
   `table[j // block_size]`, offset `j % block_size`.
 - Per sequence slot, in key order: keys (KEY_ONLY entries first, then FULL), through `key_tables`
@@ -52,10 +52,11 @@ class PoolTensors:
 
     def read(self, blocks: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Entries at (blocks[i], offsets[i]) as [kv_heads, n, head_dim] in `dtype`."""
-        codes = self.data[blocks, :, offsets].transpose(0, 1)  # [kv_heads, n, width]
+        rows = blocks * self.data.shape[1] + offsets
+        codes = self.data.flatten(0, 1).index_select(0, rows).transpose(0, 1)  # [kv_heads, n, width]
         if self.params is None:
             return codes.to(dtype)
-        p = self.params[blocks, :, offsets].transpose(0, 1)
+        p = self.params.flatten(0, 1).index_select(0, rows).transpose(0, 1)
         bits = 8 if self.format == "int8" else 4
         return dequantize(Quantized(codes, p[..., 0], p[..., 1] if bits == 4 else None, bits), dtype)
 

@@ -38,10 +38,10 @@ def kernel():
 
 def make_pool(fmt: str, num_blocks: int, kv_heads: int, block_size: int, head_dim: int, gen: torch.Generator):
     """A pool whose codes and parameters come from quantising random vectors, as the KV store writes them."""
-    x = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=gen)
+    x = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
     # Per-vector offsets and magnitudes, so int4 minima and scales vary.
-    x = x * torch.rand(num_blocks, kv_heads, block_size, 1, generator=gen).mul(2).add(0.1)
-    x = x + torch.randn(num_blocks, kv_heads, block_size, 1, generator=gen) * 0.5
+    x = x * torch.rand(num_blocks, block_size, kv_heads, 1, generator=gen).mul(2).add(0.1)
+    x = x + torch.randn(num_blocks, block_size, kv_heads, 1, generator=gen) * 0.5
     if fmt in ("float32", "float16", "bfloat16"):
         return PoolTensors(x.to(getattr(torch, fmt)), None, fmt)
     q = quantize(x, 8 if fmt == "int8" else 4)

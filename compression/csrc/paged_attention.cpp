@@ -164,9 +164,9 @@ class Cursor {
   }
 
  private:
-  // Index of an entry in the pool's [num_blocks, kv_heads, block_size] entries.
+  // Index of a head vector in the pool's [num_blocks, block_size, kv_heads] vectors.
   CONFKV_INLINE int64_t entry(int32_t block, const Pool& pool, int64_t kv_head) const {
-    return (static_cast<int64_t>(block) * pool.kv_heads + kv_head) * block_size_ + offset_;
+    return (static_cast<int64_t>(block) * block_size_ + offset_) * pool.kv_heads + kv_head;
   }
 
   const int32_t* table_;
@@ -465,7 +465,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
   a.query = query.data_ptr<float>();
   a.heads = heads;
   a.dim = dim;
-  a.kv_heads = pool_data[0].dim() == 4 ? pool_data[0].size(1) : 0;
+  a.kv_heads = pool_data[0].dim() == 4 ? pool_data[0].size(2) : 0;
   TORCH_CHECK(a.kv_heads > 0 && heads % a.kv_heads == 0, "heads (", heads, ") must be a multiple of kv_heads (",
               a.kv_heads, ")");
   a.group = heads / a.kv_heads;
@@ -477,9 +477,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
     TORCH_CHECK(format >= kFloat32 && format <= kInt4, "pool ", i, ": unknown format code ", format);
     const int64_t width = format == kInt4 ? dim / 2 : dim;
     TORCH_CHECK(data.device().is_cpu() && data.is_contiguous() && data.scalar_type() == dtypes[format] &&
-                    data.dim() == 4 && data.size(1) == a.kv_heads && data.size(2) == block_size &&
+                    data.dim() == 4 && data.size(1) == block_size && data.size(2) == a.kv_heads &&
                     data.size(3) == width,
-                "pool ", i, ": data must be a contiguous CPU tensor [num_blocks, ", a.kv_heads, ", ", block_size, ", ",
+                "pool ", i, ": data must be a contiguous CPU tensor [num_blocks, ", block_size, ", ", a.kv_heads, ", ",
                 width, "] of ", dtypes[format]);
     Pool pool;
     pool.data = static_cast<const uint8_t*>(data.data_ptr());
@@ -489,10 +489,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
     if (format == kInt8 || format == kInt4) {
       const int64_t needed = format == kInt4 ? 2 : 1;
       TORCH_CHECK(params.device().is_cpu() && params.is_contiguous() && params.scalar_type() == at::kHalf &&
-                      params.dim() == 4 && params.size(0) == data.size(0) && params.size(1) == a.kv_heads &&
-                      params.size(2) == block_size && params.size(3) >= needed,
-                  "pool ", i, ": params must be a contiguous float16 CPU tensor [num_blocks, ", a.kv_heads, ", ",
-                  block_size, ", ", needed, "]");
+                      params.dim() == 4 && params.size(0) == data.size(0) && params.size(1) == block_size &&
+                      params.size(2) == a.kv_heads && params.size(3) >= needed,
+                  "pool ", i, ": params must be a contiguous float16 CPU tensor [num_blocks, ", block_size, ", ",
+                  a.kv_heads, ", ", needed, "]");
       pool.params = reinterpret_cast<const uint16_t*>(params.data_ptr());
       pool.num_params = params.size(3);
     }
