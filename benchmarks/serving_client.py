@@ -269,14 +269,16 @@ def headline(args) -> None:
         with served(None, flags) as (url, _):
             runs[name] = asyncio.run(run_load(url, bodies, float("inf"), args.num_prompts, args.seed))
         summaries[name] = summarise(runs[name], args.slo_ttft, args.slo_tpot)
-    bodies = prompt_bodies(args.num_prompts, args.prompt_tokens, args.max_tokens, None)
-    runs[GENERATE_BATCH] = run_generate_batch(bodies, budget_mb * 1e6, args.threads)
-    summaries[GENERATE_BATCH] = summarise(runs[GENERATE_BATCH], args.slo_ttft, args.slo_tpot)
+    if args.generate_batch:
+        bodies = prompt_bodies(args.num_prompts, args.prompt_tokens, args.max_tokens, None)
+        runs[GENERATE_BATCH] = run_generate_batch(bodies, budget_mb * 1e6, args.threads)
+        summaries[GENERATE_BATCH] = summarise(runs[GENERATE_BATCH], args.slo_ttft, args.slo_tpot)
     setup = (
         f"{args.num_prompts} concurrent requests of {args.prompt_tokens}-token prompts, {args.max_tokens} greedy "
         f"tokens each (EOS ignored), streamed over HTTP; max_cache_size {budget_mb:.0f} MB (about {args.fit} "
-        f"uncompressed requests); transformers' generate_batch in-process with a paged cache of the same bytes; "
-        "all in one run"
+        f"uncompressed requests)"
+        + ("; transformers' generate_batch in-process with a paged cache of the same bytes" * args.generate_batch)
+        + "; all in one run"
     )
     report(summaries, runs, args, setup, answer_agreement(runs, args.check_answers))
 
@@ -379,6 +381,12 @@ def main() -> None:
     parser.add_argument("--slo-tpot", type=float, default=0.5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--check-answers", type=int, default=4, help="headline: answers compared off against on")
+    parser.add_argument(
+        "--no-generate-batch",
+        dest="generate_batch",
+        action="store_false",
+        help="headline: leave out transformers' generate_batch (the longest run)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="8 requests of 512 tokens, 32 new, room for 2")
     parser.add_argument("--out", type=Path, default=RESULTS / "serving_http")
