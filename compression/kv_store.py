@@ -77,12 +77,6 @@ class ParkedKV:
     lengths: np.ndarray  # [layers] entries held
     key_only: np.ndarray  # [layers] KEY_ONLY entries
     meta: dict[str, torch.Tensor]  # bookkeeping rows [layers, ...]
-    block_bytes: tuple[int, int]  # of a keys/values block and of a key-only block
-
-    @property
-    def nbytes(self) -> int:
-        main = sum(len(t) for kind in (KEYS, VALUES) for t in self.tables[kind])
-        return main * self.block_bytes[0] + sum(len(t) for t in self.tables[KEY_ONLY]) * self.block_bytes[1]
 
 
 @dataclass
@@ -129,7 +123,6 @@ class KVStore:
         self.device = torch.device(device)
         self.block_size = block_size
         self.codec = self.make_codec(storage)  # the default storage precision
-        self.key_only_bits = key_only_bits
         self.pools: dict[str, BlockPool] = {}
         self.key_only_pool = self._pool(Codec(f"int{key_only_bits}", head_dim))
         self.evicted_entries: Counter[str] = Counter()  # (layer, token) entries removed, by reason
@@ -437,7 +430,6 @@ class KVStore:
             lengths=self.lengths[:, slot].copy(),
             key_only=self.key_only[:, slot].copy(),
             meta={name: t[:, slot, ..., :n].clone() for name, t in self.meta.items()},
-            block_bytes=(pool.block_bytes, self.key_only_pool.block_bytes),
         )
         self.num_blocks[:, :, slot] = 0  # the references move to the parked cache
         self._close_slot(seq_id)
