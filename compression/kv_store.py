@@ -187,6 +187,20 @@ class KVStore:
         return sum((pool.num_blocks - len(pool.free_ids)) * pool.block_bytes for pool in self.pools.values())
 
     @property
+    def running_bytes(self) -> int:
+        """Bytes of the distinct blocks that running sequences hold."""
+        held: dict[int, list[np.ndarray]] = {}
+        for slot in self._slots.values():
+            for kind in range(3):
+                pool = self.key_only_pool if kind == KEY_ONLY else self._slot_pool[slot]
+                tables = self.tables[kind, :, slot]
+                held.setdefault(id(pool), []).extend(
+                    tables[layer, : self.num_blocks[kind, layer, slot]] for layer in range(self.num_layers)
+                )
+        pools = {id(pool): pool for pool in self.pools.values()}
+        return sum(len(np.unique(np.concatenate(blocks))) * pools[key].block_bytes for key, blocks in held.items())
+
+    @property
     def parked_bytes(self) -> int:
         """Blocks that only parked caches (the prefix cache) hold."""
         return self.used_bytes - self.running_bytes
@@ -636,20 +650,6 @@ class KVStore:
             target = self.key_only_pool if kind == KEY_ONLY else pool
             for blocks in layers:
                 target.unref(blocks.tolist())
-
-    @property
-    def running_bytes(self) -> int:
-        """Bytes of the distinct blocks that running sequences hold."""
-        held: dict[int, list[np.ndarray]] = {}
-        for slot in self._slots.values():
-            for kind in range(3):
-                pool = self.key_only_pool if kind == KEY_ONLY else self._slot_pool[slot]
-                tables = self.tables[kind, :, slot]
-                held.setdefault(id(pool), []).extend(
-                    tables[layer, : self.num_blocks[kind, layer, slot]] for layer in range(self.num_layers)
-                )
-        pools = {id(pool): pool for pool in self.pools.values()}
-        return sum(len(np.unique(np.concatenate(blocks))) * pools[key].block_bytes for key, blocks in held.items())
 
 
 @dataclass
