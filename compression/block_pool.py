@@ -61,8 +61,7 @@ class BlockPool:
         self.kv_heads = kv_heads
         self.block_size = block_size
         self.device = device
-        self.data = self._empty_data(0)
-        self.params = self._empty_params(0)
+        self._set_storage(self._empty_data(0), self._empty_params(0))
         self.refs: list[int] = []
         self.free_ids: list[int] = []
 
@@ -104,41 +103,41 @@ class BlockPool:
                 freed += 1
         return freed
 
-    def write(self, blocks: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor) -> None:
-        """Store vectors x [n, kv_heads, head_dim] at (blocks[i], offsets[i])."""
-        self.write_encoded(blocks, offsets, *self.codec.encode(x))
+    def write(self, rows: torch.Tensor, x: torch.Tensor) -> None:
+        """Store vectors x [n, kv_heads, head_dim] as entries `rows` (block * block_size + offset)."""
+        self.write_encoded(rows, *self.codec.encode(x))
 
-    def write_encoded(
-        self, blocks: torch.Tensor, offsets: torch.Tensor, codes: torch.Tensor, params: torch.Tensor | None
-    ) -> None:
+    def write_encoded(self, rows: torch.Tensor, codes: torch.Tensor, params: torch.Tensor | None) -> None:
         """Store vectors already in this format: codes [n, kv_heads, width], params [n, kv_heads, p]."""
-        rows = blocks * self.block_size + offsets
-        _rows(self.data)[rows] = _rows(codes.contiguous())
+        self._data_rows[rows] = _rows(codes.contiguous())
         if params is not None:
-            _rows(self.params)[rows] = _rows(params.to(SCALE_DTYPE).contiguous())
+            self._params_rows[rows] = _rows(params.to(SCALE_DTYPE).contiguous())
 
-    def read_encoded(self, blocks: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Vectors as stored: codes [n, kv_heads, width] and params (or None)."""
-        rows = blocks * self.block_size + offsets
-        codes = _rows(self.data).index_select(0, rows).view(self.data.dtype).view(-1, *self.data.shape[2:])
+    def read_encoded(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Entries `rows` as stored: codes [n, kv_heads, width] and params (or None)."""
+        codes = self._data_rows.index_select(0, rows).view(self.data.dtype).view(-1, *self.data.shape[2:])
         if self.params is None:
             return codes, None
-        params = _rows(self.params).index_select(0, rows).view(SCALE_DTYPE).view(-1, *self.params.shape[2:])
+        params = self._params_rows.index_select(0, rows).view(SCALE_DTYPE).view(-1, *self.params.shape[2:])
         return codes, params
 
     def _grow(self, at_least: int) -> None:
         n = self.num_blocks
         grown = n + max(at_least, n // 2, MIN_GROWTH)
-        data = self._empty_data(grown)
+        data, params = self._empty_data(grown), self._empty_params(grown)
         data[:n] = self.data
-        self.data = data
-        if self.params is not None:
-            params = self._empty_params(grown)
+        if params is not None:
             params[:n] = self.params
-            self.params = params
+        self._set_storage(data, params)
         self.refs.extend([0] * (grown - n))
         # Lowest ids last, so they are handed out first.
         self.free_ids = list(range(grown - 1, n - 1, -1)) + self.free_ids
+
+    def _set_storage(self, data: torch.Tensor, params: torch.Tensor | None) -> None:
+        self.data, self.params = data, params
+        # One row per entry, as words: what writes and reads index (views, made once per growth).
+        self._data_rows = _rows(data)
+        self._params_rows = None if params is None else _rows(params)
 
     def _empty_data(self, blocks: int) -> torch.Tensor:
         shape = (blocks, self.block_size, self.kv_heads, self.codec.width)

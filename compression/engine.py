@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from compression.config import CompressionParams
-from compression.kv_store import KVStore
+from compression.kv_store import Keep, KVStore
 from compression.policy import plan_tiers
 from compression.predictor.misses import Dropped
 from compression.predictor.online import Forecast, FutureValue, PredictionJob
@@ -313,6 +313,7 @@ class CompressionEngine:
             job = self._prediction_job(seq_id, num_tokens, state, layers)
             predicted = self.future_value.predict(store, [job])[seq_id]
         confidence = self._token_confidence(state, num_tokens)
+        keep = {}
         for layer in layers:
             kv = store.layer(seq_id, layer)
             n = kv.length
@@ -346,7 +347,9 @@ class CompressionEngine:
                 if self._logs_misses(state):  # in the audit's order, so the audit's masses line up
                     known = state.misses.get(layer) or Dropped.none(predicted[layer].windows)
                     state.misses[layer] = known.add(predicted[layer].windows[plan.dropped], state.decode_steps)
-            store.retier(seq_id, layer, plan.keep_full, plan.keep_key_only)
+            keep[layer] = Keep(full=plan.keep_full, key_only=plan.keep_key_only)
+        if keep:
+            store.retier(seq_id, keep)
 
     def _budget(self, seq_id: int, num_tokens: int, state: SequenceState) -> tuple[float, int, int]:
         """Bytes each layer may hold after this compression, and the bytes of a FULL and a KEY_ONLY entry."""

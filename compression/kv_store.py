@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -68,6 +69,13 @@ class LayerView:
     num_key_only: int
 
 
+class Keep(NamedTuple):
+    """The entries (indices in key order) one layer keeps: FULL, and KEY_ONLY."""
+
+    full: torch.Tensor
+    key_only: torch.Tensor
+
+
 @dataclass
 class ParkedKV:
     """A finished sequence's cache outside the running slots; it holds one reference to its blocks."""
@@ -85,11 +93,8 @@ class StepPlan:
 
     token_slot: torch.Tensor  # [tokens]
     key_index: torch.Tensor  # [layers, tokens] the new entries' places in their keys tables
-    key_blocks: torch.Tensor  # [layers, tokens] and their blocks and offsets
-    key_offsets: torch.Tensor
-    value_blocks: torch.Tensor
-    value_offsets: torch.Tensor
-    groups: list[tuple[BlockPool, torch.Tensor | None]]  # tokens by pool (None: all of them)
+    rows: torch.Tensor  # [layers, 2 * tokens] pool rows of the new keys, then of their values
+    groups: list[tuple[BlockPool, torch.Tensor | None]]  # columns of `rows` by pool (None: all of them)
     decode_tokens: torch.Tensor  # [rows] tokens of one-token segments
     row_slot: torch.Tensor  # [rows] int32
     row_pool: torch.Tensor  # [rows] int32, an index in `pools`
@@ -288,8 +293,11 @@ class KVStore:
         key_index = self.lengths[:, token_slot] + offset
         value_index = key_index - self.key_only[:, token_slot]
         bs = self.block_size
-        key_blocks = self.tables[KEYS][layers, token_slot, key_index // bs]
-        value_blocks = self.tables[VALUES][layers, token_slot, value_index // bs]
+
+        def rows(kind: int, index: np.ndarray) -> np.ndarray:
+            return self.tables[kind][layers, token_slot, index // bs].astype(np.int64) * bs + index % bs
+
+        key_rows, value_rows = rows(KEYS, key_index), rows(VALUES, value_index)
         np.add.at(self.lengths, (slice(None), slots), counts)
 
         device = self.device
@@ -301,8 +309,8 @@ class KVStore:
         for pool in pools:
             tokens = by_pool.get(id(pool))
             if tokens is not None:
-                index = None if len(by_pool) == 1 else torch.tensor(tokens, device=device)
-                groups.append((pool, index))
+                columns = np.concatenate((tokens, np.add(tokens, len(token_slot))))
+                groups.append((pool, None if len(by_pool) == 1 else _tensor(columns, device)))
         decode = [i for i, seg in enumerate(segments) if seg.num_tokens == 1]
         observe = np.full(len(decode), -1, dtype=np.int32)
         observed = [j for j, i in enumerate(decode) if segments[i].observe]
@@ -310,10 +318,7 @@ class KVStore:
         plan = StepPlan(
             token_slot=_tensor(token_slot, device),
             key_index=_tensor(key_index, device),
-            key_blocks=_tensor(key_blocks, device),
-            key_offsets=_tensor(key_index % bs, device),
-            value_blocks=_tensor(value_blocks, device),
-            value_offsets=_tensor(value_index % bs, device),
+            rows=_tensor(np.concatenate((key_rows, value_rows), axis=1), device),
             groups=groups,
             decode_tokens=torch.tensor([segments[i].start for i in decode], dtype=torch.long, device=device),
             row_slot=_tensor(slots[decode], device, torch.int32),
@@ -333,22 +338,15 @@ class KVStore:
 
     def write(self, layer: int, plan: StepPlan, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the step's new keys and values of one layer (each [kv_heads, tokens, head_dim])."""
-        keys, values = keys.transpose(0, 1), values.transpose(0, 1)
-        kb, ko, vb, vo = (
-            plan.key_blocks[layer],
-            plan.key_offsets[layer],
-            plan.value_blocks[layer],
-            plan.value_offsets[layer],
-        )
-        for pool, index in plan.groups:
-            if index is None:
-                pool.write(kb, ko, keys)
-                pool.write(vb, vo, values)
+        entries = torch.cat((keys, values), dim=1).transpose(0, 1)  # [2 * tokens, kv_heads, head_dim]
+        rows = plan.rows[layer]
+        for pool, columns in plan.groups:
+            if columns is None:
+                pool.write(rows, entries)
             else:
-                pool.write(kb[index], ko[index], keys[index])
-                pool.write(vb[index], vo[index], values[index])
+                pool.write(rows[columns], entries[columns])
         if self.history_steps:
-            norms = keys.float().norm(dim=-1).mean(dim=1)
+            norms = keys.float().norm(dim=-1).mean(dim=0)
             self.meta["key_norm"][layer, plan.token_slot, plan.key_index[layer]] = norms.to(torch.float16)
 
     def decode_batch(self, layer: int, plan: StepPlan, query: torch.Tensor, scale: float) -> DecodeBatch:
@@ -394,33 +392,31 @@ class KVStore:
         slot = self._slots[seq_id]
         n, n_ko = int(self.lengths[layer_idx, slot]), int(self.key_only[layer_idx, slot])
         tensors = self._slot_pool[slot].tensors()
-        keys = tensors.read(*self._places(KEYS, layer_idx, slot, np.arange(n)), self.dtype)
-        values = tensors.read(*self._places(VALUES, layer_idx, slot, np.arange(n - n_ko)), self.dtype)
+        keys = tensors.read(self._leading_rows(KEYS, layer_idx, slot, n), self.dtype)
+        values = tensors.read(self._leading_rows(VALUES, layer_idx, slot, n - n_ko), self.dtype)
         key_only = None
         if n_ko:
-            places = self._places(KEY_ONLY, layer_idx, slot, np.arange(n_ko))
-            key_only = self.key_only_pool.tensors().read(*places, self.dtype)
+            key_only = self.key_only_pool.tensors().read(
+                self._leading_rows(KEY_ONLY, layer_idx, slot, n_ko), self.dtype
+            )
         return LayerView(keys, values, key_only, n_ko)
 
     def positions(self, seq_id: int, layer_idx: int) -> torch.Tensor:
         slot = self._slots[seq_id]
         return self.meta["positions"][layer_idx, slot, : self.lengths[layer_idx, slot]]
 
-    def retier(self, seq_id: int, layer_idx: int, keep_full: torch.Tensor, keep_key_only: torch.Tensor) -> int:
-        """Rebuild one layer holding only the given entries (indices in key order); return bytes freed.
+    def retier(self, seq_id: int, keep: dict[int, Keep]) -> int:
+        """Rebuild the given layers holding only the entries they keep; return bytes freed.
 
-        `keep_key_only` may name KEY_ONLY entries (kept as they are) and FULL ones (their values are
-        quantised now); `keep_full` may name FULL entries only, since a quantised value cannot be
+        A layer's `key_only` may name KEY_ONLY entries (kept as they are) and FULL ones (their values
+        are quantised now); `full` may name FULL entries only, since a quantised value cannot be
         restored. Entries named in neither are dropped.
         """
         slot = self._slots[seq_id]
-        n_ko = int(self.key_only[layer_idx, slot])
-        if bool((keep_full < n_ko).any()):
-            raise ValueError("a KEY_ONLY entry cannot become FULL again")
-        before, length = self.used_bytes, int(self.lengths[layer_idx, slot])
-        source = self._layer_source(layer_idx, slot)
-        self._rebuild(layer_idx, slot, source, keep_full, keep_key_only, charge=False)
-        self.evicted_entries["compression"] += length - int(self.lengths[layer_idx, slot])
+        layers = list(keep)
+        before, held = self.used_bytes, int(self.lengths[layers, slot].sum())
+        self._rebuild(slot, self._snapshot(slot), keep, charge=False)
+        self.evicted_entries["compression"] += held - int(self.lengths[layers, slot].sum())
         return before - self.used_bytes
 
     # ----- parked caches (the prefix cache's pool) -----------------------------------------
@@ -430,21 +426,9 @@ class KVStore:
         if seq_id not in self._slots:
             return None
         slot = self._slots[seq_id]
-        pool = self._slot_pool[slot]
-        n = int(self.lengths[:, slot].max())
-        parked = ParkedKV(
-            codec=pool.codec,
-            tables=[
-                [
-                    self.tables[kind, layer, slot, : self.num_blocks[kind, layer, slot]].copy()
-                    for layer in range(self.num_layers)
-                ]
-                for kind in (KEYS, VALUES, KEY_ONLY)
-            ],
-            lengths=self.lengths[:, slot].copy(),
-            key_only=self.key_only[:, slot].copy(),
-            meta={name: t[:, slot, ..., :n].clone() for name, t in self.meta.items()},
-        )
+        parked = self._snapshot(slot)
+        n = int(parked.lengths.max())
+        parked.meta = {name: rows[..., :n].clone() for name, rows in parked.meta.items()}
         self.num_blocks[:, :, slot] = 0  # the references move to the parked cache
         self._close_slot(seq_id)
         return parked
@@ -466,17 +450,13 @@ class KVStore:
         self._storage[seq_id] = parked.codec
         slot = self._open_slot(seq_id)
         self._ensure_capacity(int(parked.lengths.max()))
+        keep = {}
+        for layer in range(self.num_layers):
+            n_ko = int(parked.key_only[layer])
+            held = (parked.meta["positions"][layer, : parked.lengths[layer]] < num_tokens).nonzero().flatten()
+            keep[layer] = Keep(full=held[held >= n_ko], key_only=held[held < n_ko])
         try:
-            for layer in range(self.num_layers):
-                source = _LayerSource(
-                    self.pools[parked.codec.name],
-                    [parked.tables[kind][layer] for kind in (KEYS, VALUES, KEY_ONLY)],
-                    int(parked.lengths[layer]),
-                    int(parked.key_only[layer]),
-                    {name: t[layer] for name, t in parked.meta.items()},
-                )
-                held = (source.meta["positions"][: source.length] < num_tokens).nonzero().flatten()
-                self._rebuild(layer, slot, source, held[held >= source.key_only], held[held < source.key_only])
+            self._rebuild(slot, parked, keep)
         except KVBudgetExceeded:
             self.free(seq_id)
             raise
@@ -568,82 +548,103 @@ class KVStore:
         self.tables[kind, layer, slot, start : start + len(blocks)] = blocks
         self.num_blocks[kind, layer, slot] += len(blocks)
 
-    def _places(self, kind: int, layer: int, slot: int, entries: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Blocks and offsets of entries of one table of a running slot."""
-        return _places(self.tables[kind, layer, slot], entries, self.block_size, self.device)
+    def _leading_rows(self, kind: int, layer: int, slot: int, n: int) -> torch.Tensor:
+        """Pool rows of the first n entries of one table of a running slot."""
+        return _tensor(_entry_rows(self.tables[kind, layer, slot], np.arange(n), self.block_size), self.device)
 
-    def _layer_source(self, layer: int, slot: int) -> _LayerSource:
-        return _LayerSource(
-            self._slot_pool[slot],
-            [
-                self.tables[kind, layer, slot, : self.num_blocks[kind, layer, slot]].copy()
+    def _snapshot(self, slot: int) -> ParkedKV:
+        """A running slot's cache as a parked one would hold it: tables copied, bookkeeping as views."""
+        return ParkedKV(
+            codec=self._slot_pool[slot].codec,
+            tables=[
+                [
+                    self.tables[kind, layer, slot, : self.num_blocks[kind, layer, slot]].copy()
+                    for layer in range(self.num_layers)
+                ]
                 for kind in (KEYS, VALUES, KEY_ONLY)
             ],
-            int(self.lengths[layer, slot]),
-            int(self.key_only[layer, slot]),
-            {name: t[layer, slot, ..., : self.lengths[layer, slot]].clone() for name, t in self.meta.items()},
+            lengths=self.lengths[:, slot].copy(),
+            key_only=self.key_only[:, slot].copy(),
+            meta={name: t[:, slot] for name, t in self.meta.items()},
         )
 
-    def _rebuild(
-        self,
-        layer: int,
-        slot: int,
-        source: _LayerSource,
-        keep_full: torch.Tensor,
-        keep_key_only: torch.Tensor,
-        charge: bool = True,
-    ) -> None:
-        """Make (layer, slot) hold the given entries of `source`: KEY_ONLY ones first, then FULL ones.
+    def _rebuild(self, slot: int, source: ParkedKV, keep: dict[int, Keep], charge: bool = True) -> None:
+        """Make the given layers of `slot` hold the entries of `source` they keep: KEY_ONLY first, then FULL.
 
         Each new table starts with the longest run of the source table's entries it keeps in place;
-        the whole blocks of that run are shared, the rest is written into fresh blocks. Everything
-        is read before anything the slot held is let go. With `charge` the fresh blocks must fit in
-        the budget (else KVBudgetExceeded, nothing changed); compaction does not check, since it
-        only ever gives bytes back, up to one block of rounding per table.
+        the whole blocks of that run are shared, the rest is written into fresh blocks. Every layer
+        is done at once: one read and one write per table kind, whatever the number of layers.
+        Everything is read before anything the slot held is let go. With `charge` the fresh blocks
+        must fit in the budget (else KVBudgetExceeded, nothing changed); compaction does not check,
+        since it only ever gives bytes back, up to one block of rounding per table.
         """
-        bs, pool, key_only_pool = self.block_size, source.pool, self.key_only_pool
-        keep_key_only, keep_full = keep_key_only.sort().values, keep_full.sort().values
-        order = torch.cat((keep_key_only, keep_full)).cpu().numpy()
-        full_values = (keep_full - source.key_only).cpu().numpy()
-        kept_ko = keep_key_only.cpu().numpy()
-        old_ko, demoted = kept_ko[kept_ko < source.key_only], kept_ko[kept_ko >= source.key_only] - source.key_only
-
-        plans = []  # per table: (pool, shared blocks, encoded vectors to write after them)
-        for kind, entries in ((KEYS, order), (VALUES, full_values), (KEY_ONLY, old_ko)):
-            table_pool = key_only_pool if kind == KEY_ONLY else pool
-            shared = _in_place_run(entries) // bs
-            rest = entries[shared * bs :]
-            encoded = table_pool.read_encoded(*_places(source.tables[kind], rest, bs, self.device))
-            plans.append([table_pool, source.tables[kind][:shared], encoded])
-        if demoted.size:
-            values = pool.tensors().read(*_places(source.tables[VALUES], demoted, bs, self.device), torch.float32)
+        if not keep:
+            return
+        bs, pool, key_only_pool = self.block_size, self.pools[source.codec.name], self.key_only_pool
+        pools = (pool, pool, key_only_pool)  # by table kind
+        layers = list(keep)
+        orders, layouts = [], []  # per layer: kept entries in their new order; per table (shared blocks, count)
+        reads: list[list[np.ndarray]] = [[], [], []]  # per table kind: source rows copied as stored
+        demoted = []  # per layer: source rows of FULL values that become KEY_ONLY (quantised now)
+        for layer in layers:
+            full, key_only = (np.sort(t.cpu().numpy()) for t in keep[layer])
+            n_ko = int(source.key_only[layer])
+            if full.size and full[0] < n_ko:
+                raise ValueError("a KEY_ONLY entry cannot become FULL again")
+            order = np.concatenate((key_only, full))
+            layout = []
+            for kind, entries in ((KEYS, order), (VALUES, full - n_ko), (KEY_ONLY, key_only[key_only < n_ko])):
+                table = source.tables[kind][layer]
+                shared = _in_place_run(entries) // bs
+                reads[kind].append(_entry_rows(table, entries[shared * bs :], bs))
+                layout.append((table[:shared], len(entries) - shared * bs))
+            moved = key_only[key_only >= n_ko] - n_ko
+            demoted.append(_entry_rows(source.tables[VALUES][layer], moved, bs))
+            layout[KEY_ONLY] = (layout[KEY_ONLY][0], layout[KEY_ONLY][1] + len(moved))
+            orders.append((order, len(key_only)))
+            layouts.append(layout)
+        encoded = [pools[kind].read_encoded(self._rows_tensor(reads[kind])) for kind in range(3)]
+        if any(rows.size for rows in demoted):
+            values = pool.tensors().read(self._rows_tensor(demoted), torch.float32)
             codes, params = key_only_pool.codec.encode(values.transpose(0, 1))
-            old_codes, old_params = plans[KEY_ONLY][2]
-            plans[KEY_ONLY][2] = (torch.cat((old_codes, codes)), torch.cat((old_params, params)))
+            # Each layer's KEY_ONLY table: the entries it kept, then those it demoted.
+            merged = _interleave([len(rows) for rows in reads[KEY_ONLY]], [len(rows) for rows in demoted])
+            (old_codes, old_params), index = encoded[KEY_ONLY], _tensor(merged, self.device)
+            encoded[KEY_ONLY] = (torch.cat((old_codes, codes))[index], torch.cat((old_params, params))[index])
         if charge:
-            fresh = sum(_blocks(len(codes), bs) * p.block_bytes for p, _, (codes, _) in plans)
+            fresh = sum(_blocks(n, bs) * pools[kind].block_bytes for lay in layouts for kind, (_, n) in enumerate(lay))
             if fresh > self.free_bytes:
                 raise KVBudgetExceeded(f"a cached prefix needs {fresh} bytes; {self.free_bytes} are free")
 
-        old_tables = [self.tables[kind, layer, slot, : self.num_blocks[kind, layer, slot]].copy() for kind in range(3)]
-        for kind, (table_pool, shared, (codes, params)) in enumerate(plans):
-            table_pool.ref(shared.tolist())
-            blocks = table_pool.allocate(_blocks(len(codes), bs))
-            self.num_blocks[kind, layer, slot] = 0
-            self._extend(kind, layer, slot, [*shared.tolist(), *blocks])
-            n = len(codes)
-            if n:
+        targets: list[list[np.ndarray]] = [[], [], []]
+        for layer, layout in zip(layers, layouts, strict=True):
+            for kind, (shared, n) in enumerate(layout):
+                old = self.tables[kind, layer, slot, : self.num_blocks[kind, layer, slot]].copy()
+                pools[kind].ref(shared.tolist())
+                self.num_blocks[kind, layer, slot] = 0
+                self._extend(kind, layer, slot, [*shared.tolist(), *pools[kind].allocate(_blocks(n, bs))])
                 start = len(shared) * bs
-                places = _places(self.tables[kind, layer, slot], np.arange(start, start + n), bs, self.device)
-                table_pool.write_encoded(*places, codes, params)
-        for kind in range(3):
-            (key_only_pool if kind == KEY_ONLY else pool).unref(old_tables[kind].tolist())
+                targets[kind].append(_entry_rows(self.tables[kind, layer, slot], np.arange(start, start + n), bs))
+                pools[kind].unref(old.tolist())
+        for kind, (codes, params) in enumerate(encoded):
+            if len(codes):
+                pools[kind].write_encoded(self._rows_tensor(targets[kind]), codes, params)
 
-        index = torch.from_numpy(order).to(self.device)
-        for name, rows in source.meta.items():
-            self.meta[name][layer, slot, ..., : len(order)] = rows[..., index]
-        self.lengths[layer, slot] = len(order)
-        self.key_only[layer, slot] = len(kept_ko)
+        width = max(len(order) for order, _ in orders)
+        if width:
+            index = np.zeros((len(layers), width), dtype=np.int64)  # past a layer's entries: scratch
+            for i, (order, _) in enumerate(orders):
+                index[i, : len(order)] = order
+            rows, layer_index = _tensor(index, self.device), _tensor(np.array(layers), self.device)
+            for name, t in source.meta.items():
+                held = t[layer_index]  # [layers, ..., entries]
+                gather = rows.view(len(layers), *[1] * (held.dim() - 2), width).expand(*held.shape[:-1], width)
+                self.meta[name][layer_index, slot, ..., :width] = held.gather(-1, gather)
+        self.lengths[layers, slot] = [len(order) for order, _ in orders]
+        self.key_only[layers, slot] = [n_ko for _, n_ko in orders]
+
+    def _rows_tensor(self, rows: list[np.ndarray]) -> torch.Tensor:
+        return _tensor(np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64), self.device)
 
     def _unref_tables(self, pool: BlockPool, tables: list[list[np.ndarray]]) -> None:
         for kind, layers in enumerate(tables):
@@ -652,27 +653,26 @@ class KVStore:
                 target.unref(blocks.tolist())
 
 
-@dataclass
-class _LayerSource:
-    """One layer's entries to rebuild from: a running slot's (copied) tables, or a parked cache's."""
-
-    pool: BlockPool
-    tables: list[np.ndarray]  # keys, values, key-only block ids
-    length: int
-    key_only: int
-    meta: dict[str, torch.Tensor]  # bookkeeping rows, at least `length` long
-
-
 def _in_place_run(entries: np.ndarray) -> int:
     """How many leading entries sit where they already are (entries[i] == i)."""
     moved = np.flatnonzero(entries != np.arange(len(entries)))
     return int(moved[0]) if moved.size else len(entries)
 
 
-def _places(
-    table: np.ndarray, entries: np.ndarray, block_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _tensor(table[entries // block_size], device), _tensor(entries % block_size, device)
+def _entry_rows(table: np.ndarray, entries: np.ndarray, block_size: int) -> np.ndarray:
+    """Pool rows (block * block_size + offset) of a table's entries."""
+    return table[entries // block_size].astype(np.int64) * block_size + entries % block_size
+
+
+def _interleave(first: list[int], second: list[int]) -> np.ndarray:
+    """Indices into concat(A, B), where A and B are runs of first[i] and second[i] items, that
+    give A's run 0, B's run 0, A's run 1, B's run 1, ..."""
+    a_starts = np.cumsum(first) - first
+    b_starts = sum(first) + np.cumsum(second) - second
+    runs = []
+    for a, n, b, m in zip(a_starts, first, b_starts, second, strict=True):
+        runs += [np.arange(a, a + n), np.arange(b, b + m)]
+    return np.concatenate(runs) if runs else np.zeros(0, dtype=np.int64)
 
 
 def _blocks(entries, block_size: int):

@@ -50,9 +50,8 @@ class PoolTensors:
     params: torch.Tensor | None
     format: str  # a key of FORMAT_CODES
 
-    def read(self, blocks: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Entries at (blocks[i], offsets[i]) as [kv_heads, n, head_dim] in `dtype`."""
-        rows = blocks * self.data.shape[1] + offsets
+    def read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Entries `rows` (block * block_size + offset) as [kv_heads, n, head_dim] in `dtype`."""
         codes = self.data.flatten(0, 1).index_select(0, rows).transpose(0, 1)  # [kv_heads, n, width]
         if self.params is None:
             return codes.to(dtype)
@@ -88,10 +87,10 @@ class DecodeResult:
     observed: torch.Tensor  # [num_observed, max entries held by an observed row] float32, zero-padded
 
 
-def entry_slots(table: torch.Tensor, start: int, end: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks and offsets of a table's entries start..end-1."""
-    j = torch.arange(start, end, device=table.device)
-    return table[j // block_size].long(), j % block_size
+def entry_rows(table: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
+    """Pool rows (block * block_size + offset) of a table's first n entries."""
+    j = torch.arange(n, device=table.device)
+    return table[j // block_size].long() * block_size + j % block_size
 
 
 def gather_layer(batch: DecodeBatch, row: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,10 +98,10 @@ def gather_layer(batch: DecodeBatch, row: int, dtype: torch.dtype) -> tuple[torc
     slot = int(batch.row_slot[row])
     pool = batch.pools[int(batch.row_pool[row])]
     n, n_ko, bs = int(batch.num_keys[slot]), int(batch.num_key_only[slot]), batch.block_size
-    keys = pool.read(*entry_slots(batch.key_tables[slot], 0, n, bs), dtype)
-    values = pool.read(*entry_slots(batch.value_tables[slot], 0, n - n_ko, bs), dtype)
+    keys = pool.read(entry_rows(batch.key_tables[slot], n, bs), dtype)
+    values = pool.read(entry_rows(batch.value_tables[slot], n - n_ko, bs), dtype)
     if n_ko:
-        ko = batch.pools[batch.key_only_pool].read(*entry_slots(batch.key_only_tables[slot], 0, n_ko, bs), dtype)
+        ko = batch.pools[batch.key_only_pool].read(entry_rows(batch.key_only_tables[slot], n_ko, bs), dtype)
         values = torch.cat((ko, values), dim=1)
     return keys, values
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from app.engine import run_to_completion
 from compression.config import POLICIES, CompressionConfig, resolve
-from compression.kv_store import BLOCK_SIZE, KVStore
+from compression.kv_store import BLOCK_SIZE, Keep, KVStore
 from compression.policy import plan_tiers
 from compression.quant import dequantize, quantize
 from tests.helpers import fill_store, greedy, make_engine, tiny_model, tokens_of
@@ -219,8 +219,8 @@ def test_kv_store_tiers_account_exactly():
     store = KVStore(num_layers=2, num_kv_heads=2, head_dim=8, max_bytes=10**7, storage="int8", key_only_bits=4)
     x = torch.randn(2, 40, 8)
     fill_store(store, 1, 40, keys=lambda layer: x)
-    store.retier(1, 0, keep_full=torch.arange(20, 40), keep_key_only=torch.arange(0, 10))
-    store.retier(1, 0, keep_full=torch.arange(25, 30), keep_key_only=torch.arange(0, 20))
+    store.retier(1, {0: Keep(full=torch.arange(20, 40), key_only=torch.arange(0, 10))})
+    store.retier(1, {0: Keep(full=torch.arange(25, 30), key_only=torch.arange(0, 20))})
     layer = store.layer(1, 0)
     assert (layer.num_key_only, layer.num_full) == (20, 5)
     # Layer 0: 25 keys (2 int8 blocks), 5 values (1), 20 int4 key-only values (2); layer 1: 40 + 40 (3 + 3).
@@ -229,7 +229,7 @@ def test_kv_store_tiers_account_exactly():
     view = store.view(1, 0)  # KEY_ONLY 10..19 were entries 20..29, quantised to 4 bits
     assert torch.allclose(view.key_only_values[:, 10:], -x[:, 20:30], atol=0.5)
     with pytest.raises(ValueError, match="cannot become FULL"):
-        store.retier(1, 0, keep_full=torch.tensor([0]), keep_key_only=torch.tensor([], dtype=torch.long))
+        store.retier(1, {0: Keep(full=torch.tensor([0]), key_only=torch.tensor([], dtype=torch.long))})
 
 
 def test_config_file_matches_model_defaults():

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compression.kv_store import BLOCK_SIZE, KEY_ONLY, KVBudgetExceeded, KVStore, ParkedKV
+from compression.kv_store import BLOCK_SIZE, KEY_ONLY, Keep, KVBudgetExceeded, KVStore, ParkedKV
 from tests.helpers import fill_store as fill
 
 
@@ -84,7 +84,7 @@ def test_compaction_keeps_chosen_entries_rewrites_only_what_moved_and_frees_byte
     before = store.used_bytes
     first_block = store.tables[0, 1, store._slots[1], 0]
     keep = torch.tensor([*range(BLOCK_SIZE), 39])  # the first block stays in place
-    freed = store.retier(1, 1, keep_full=keep, keep_key_only=torch.tensor([], dtype=torch.long))
+    freed = store.retier(1, {1: Keep(full=keep, key_only=torch.tensor([], dtype=torch.long))})
     assert freed > 0 and store.used_bytes == before - freed
     keys = store.view(1, 1).keys
     assert keys[0, :, 0].tolist() == [*map(float, range(BLOCK_SIZE)), 39.0]
@@ -146,11 +146,8 @@ def test_accounting_matches_references_and_budget(ops, budget_tokens):
         elif op == "adopt" and parked and seq_id not in store:
             with contextlib.suppress(KVBudgetExceeded):
                 store.adopt(seq_id, parked[n % len(parked)], n)
-        elif op == "compact" and seq_id in store and store.seq_length(seq_id, 0):
-            length = store.seq_length(seq_id, 0)
-            layer = store.layer(seq_id, 0)
-            entries = torch.arange(layer.num_key_only, length)
-            store.retier(seq_id, 0, keep_full=entries[entries % 3 == 0], keep_key_only=entries[entries % 3 == 1])
+        elif op == "compact" and seq_id in store:
+            store.retier(seq_id, {layer: mixed_keep(store, seq_id, layer, n) for layer in range(n % 4)})
         check_references(store, parked)
         assert store.used_bytes <= store.max_bytes + 3 * store.num_layers * store.block_bytes()
     for seq_id in range(5):
@@ -160,6 +157,42 @@ def test_accounting_matches_references_and_budget(ops, budget_tokens):
     assert store.used_bytes == 0
 
 
+def mixed_keep(store: KVStore, seq_id: int, layer: int, pattern: int) -> Keep:
+    """Some FULL entries kept, some demoted, some dropped, and every other KEY_ONLY one kept."""
+    kv = store.layer(seq_id, layer)
+    full = torch.arange(kv.num_key_only, kv.length)
+    return Keep(
+        full=full[(full + pattern + layer) % 3 == 0],
+        key_only=torch.cat((torch.arange(0, kv.num_key_only, 2), full[(full + pattern + layer) % 3 == 1])),
+    )
+
+
+def test_compacting_several_layers_at_once_keeps_each_layers_own_entries():
+    store = make_store(storage="int8")
+    fill(store, 1, 50, keys=lambda layer: torch.randn(2, 50, 4) + 10 * layer)
+    before = [store.view(1, layer) for layer in range(3)]
+    for pattern in (0, 1):  # the second time, some entries are KEY_ONLY already
+        keep = {layer: mixed_keep(store, 1, layer, pattern) for layer in (0, 2)}
+        expected = {
+            layer: (
+                store.positions(1, layer)[keep[layer].key_only.sort().values],
+                store.positions(1, layer)[keep[layer].full.sort().values],
+            )
+            for layer in keep
+        }
+        store.retier(1, keep)
+        for layer, (key_only, full) in expected.items():
+            view, positions = store.view(1, layer), store.positions(1, layer)
+            assert positions.tolist() == key_only.tolist() + full.tolist()
+            assert view.num_key_only == len(key_only)
+            original = before[layer]
+            assert torch.allclose(view.keys, original.keys[:, positions], atol=0.05)
+            assert torch.allclose(view.values, original.values[:, full], atol=0.05)
+            assert torch.allclose(view.key_only_values, original.values[:, key_only], atol=0.5)  # int4
+        assert store.seq_length(1, 1) == 50  # a layer not named is untouched
+        check_references(store)
+
+
 def test_the_predictors_bookkeeping_follows_its_entries_through_compaction_and_growth():
     store = make_store(history_steps=2)
     fill(store, 1, 10)
@@ -167,7 +200,7 @@ def test_the_predictors_bookkeeping_follows_its_entries_through_compaction_and_g
     assert kv.forecast[:10].isnan().all()  # nothing predicted yet
     kv.forecast[:10] = torch.arange(10, dtype=torch.float32)
     kv.observed[:, :10] = torch.arange(10, dtype=torch.float16)
-    store.retier(1, 0, keep_full=torch.tensor([1, 4, 7]), keep_key_only=torch.tensor([8, 2]))
+    store.retier(1, {0: Keep(full=torch.tensor([1, 4, 7]), key_only=torch.tensor([8, 2]))})
     kv = store.layer(1, 0)
     order = kv.positions[: kv.length].tolist()  # KEY_ONLY entries first, then FULL ones
     assert kv.forecast[: kv.length].tolist() == order
