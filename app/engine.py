@@ -128,6 +128,7 @@ class LLMEngine:
         seq.prefix_fingerprint = compression.fingerprint
         self.store.set_storage(seq.seq_id, compression.kv_cache_dtype)
         self.compression.register(seq.seq_id, compression, seq.num_prompt_tokens)
+        seq.prefill_tail = self.compression.prefill_tail(seq.seq_id)
         self.scheduler.add(seq)
         return seq
 
@@ -151,7 +152,7 @@ class LLMEngine:
         seq = self._by_request.get(request_id)
         if seq is None:
             return None
-        metrics = self.compression.release(seq.seq_id, seq.num_computed, seq.num_cached_tokens)
+        metrics = self.compression.release(seq.seq_id, seq.num_computed, seq.num_cached_tokens, seq.prefix_parked)
         self.scheduler.finish(seq, FinishReason.ABORT)
         return self._output(seq, [], final=True, metrics=metrics)
 
@@ -204,6 +205,7 @@ class LLMEngine:
             sampled = [seq for seq, chunk in zip(sched.sequences, sched.chunks, strict=True) if chunk.needs_logits]
             for seq, chunk in zip(sched.sequences, sched.chunks, strict=True):
                 seq.num_computed += len(chunk.token_ids)
+            self._park_prompts(sched.sequences)
             confidence: dict[int, float] = {}
             if sampled:
                 results = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
@@ -227,6 +229,15 @@ class LLMEngine:
         return outputs
 
     # ----- internals ---------------------------------------------------------------------
+    def _park_prompts(self, sequences: list[Sequence]) -> None:
+        """Park the prompt KV of the compressing sequences whose prefill just ended, before their
+        query-aware compression (a request that does not compress is parked whole as it finishes)."""
+        if self.prefix_cache is None:
+            return
+        for seq in sequences:
+            if seq.num_computed == seq.num_prompt_tokens and self.compression.compresses(seq.seq_id):
+                self.prefix_cache.park_prompt(seq.seq_id, seq.prompt_token_ids, seq.prefix_fingerprint)
+
     def _append_token(
         self, seq: Sequence, result: SampleOutput, outputs: list[RequestOutput], finished: list[Sequence]
     ) -> None:
@@ -267,7 +278,7 @@ class LLMEngine:
         new_tokens: list[int] | None = None,
         logprobs: list[TokenLogprob] | None = None,
     ) -> None:
-        metrics = self.compression.release(seq.seq_id, seq.num_computed, seq.num_cached_tokens)
+        metrics = self.compression.release(seq.seq_id, seq.num_computed, seq.num_cached_tokens, seq.prefix_parked)
         if self.prefix_cache is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.prefix_cache.insert(seq.seq_id, seq.token_ids[: seq.num_computed], seq.prefix_fingerprint)
         self.scheduler.finish(seq, reason, error)

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from app.engine import LLMEngine, StepStats
+from compression.prefix_cache import PARKED
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
@@ -188,6 +189,14 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "kv_prefix_cache_hits", "Prompts that reused a prefix-cache entry", cache.hits if cache else 0
         )
+        reused = CounterMetricFamily(
+            "kv_prefix_cache_reused_tokens",
+            "Prompt tokens served from the prefix cache, by how their entry was parked (both query-agnostic)",
+            labels=["parked"],
+        )
+        for parked in PARKED:
+            reused.add_metric([parked], cache.reused_tokens[parked] if cache else 0)
+        yield reused
         evicted = CounterMetricFamily(
             "kv_prefix_cache_evictions", "Prefix-cache entries evicted, by reason", labels=["reason"]
         )

@@ -68,7 +68,7 @@ class Scheduler:
                 break
             if seq not in self.running:  # preempted while making room for an older one
                 continue
-            n = min(seq.num_uncomputed, budget)
+            n = self._chunk(seq, budget)
             if self._reserve_or_preempt(seq, n, out):
                 self._emit(seq, n, out)
                 budget -= n
@@ -80,14 +80,16 @@ class Scheduler:
                 self.waiting.popleft()
                 out.rejected.append(seq)
                 continue
-            hit = self.prefix_cache.lookup(seq.token_ids, seq.prefix_fingerprint) if self.prefix_cache else None
+            hit = None
+            if self.prefix_cache is not None:
+                hit = self.prefix_cache.lookup(seq.token_ids, seq.prefix_fingerprint, seq.prefill_tail)
             if hit is not None and not self._make_room(need, keep=hit.entry_id):
                 hit = None  # the copy does not fit beside its source: let the source go too, prefill it all
             if not self._make_room(need):
                 break
             if hit is not None:
                 self._reuse(seq, hit)
-            n = min(seq.num_uncomputed, budget)
+            n = self._chunk(seq, budget)
             try:
                 self.store.reserve(seq.seq_id, n)
             except KVBudgetExceeded:
@@ -116,6 +118,16 @@ class Scheduler:
         self.store.free(seq.seq_id)
 
     # ----- internals ---------------------------------------------------------------------
+    @staticmethod
+    def _chunk(seq: Sequence, budget: int) -> int:
+        """Tokens of `seq` to compute in this step: within the budget, and a prefill split so that
+        its last chunk holds the queries its end-of-prefill compression observes."""
+        left = seq.num_uncomputed
+        n = min(left, budget)
+        if n < left and left - seq.prefill_tail > 0:
+            n = min(n, left - seq.prefill_tail)
+        return n
+
     def _make_room(self, need: int, keep: int | None = None) -> bool:
         """Free parked prefix-cache entries (never `keep`) until `need` bytes are free."""
         while need > self.store.free_bytes:
@@ -130,6 +142,7 @@ class Scheduler:
             return  # prefill it all instead
         seq.num_computed = hit.num_tokens
         seq.num_cached_tokens = min(hit.num_tokens, seq.num_prompt_tokens)
+        seq.prefix_parked = hit.parked
 
     def _emit(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         start = seq.num_computed

@@ -71,6 +71,11 @@ class CompressionMetricsModel(BaseModel):
     compressed_size: int = Field(description="bytes it actually holds at the end")
     compression_ratio: float = Field(description="compressed_size / original_size")
     hit_rate: float = Field(description="share of prompt tokens whose KV came from the prefix cache")
+    prefix_parked: Literal["prompt", "request"] | None = Field(
+        description="how the reused prefix was parked, both query-agnostic: `prompt`, an earlier prompt's KV "
+        "before any compression; `request`, a finished request that dropped and quantised nothing; "
+        "null without reuse"
+    )
     recall_rate: float = Field(
         description="share of attention mass, over decode steps, layers and heads, on held entries"
     )

@@ -54,6 +54,8 @@ class Sequence:
     token_ids: list[int] = field(init=False)
     num_computed: int = 0  # tokens whose KV is in the store (or were, before eviction)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prefix_parked: str | None = None  # how the reused prefix-cache entry was parked (prefix_cache.PARKED)
+    prefill_tail: int = 1  # tokens its last prefill chunk computes: the queries its compression observes
     prefix_fingerprint: Hashable = None  # the compression settings its KV is built under
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None

@@ -42,6 +42,7 @@ class CompressionMetrics:
     compressed_size: int
     compression_ratio: float
     hit_rate: float
+    prefix_parked: str | None
     recall_rate: float
     entries: dict[str, int]
     policy: str
@@ -64,6 +65,13 @@ class SequenceState:
     misses: dict[int, Dropped] = field(default_factory=dict)  # layer -> dropped entries the predictor ranked
     confidences: list[float] = field(default_factory=list)  # top-token probability of each generated token
     predictions: int = 0  # compressions the value predictor ran for
+
+    @property
+    def observed_prompt_queries(self) -> int:
+        """Prompt queries whose attention the end-of-prefill compression observes (0: none)."""
+        if not self.params.active or not self.policy.uses_attention:
+            return 0
+        return self.policy.observation_window or self.params.observation_window
 
     def reset_cache_state(self) -> None:
         """After preemption the cache is rebuilt from scratch."""
@@ -113,9 +121,20 @@ class CompressionEngine:
             self.audit_bytes -= sum(k.nbytes for k in state.audit.values())
             state.reset_cache_state()
 
-    def release(self, seq_id: int, num_tokens: int, cached_tokens: int = 0) -> CompressionMetrics | None:
+    def compresses(self, seq_id: int) -> bool:
+        state = self.states.get(seq_id)
+        return state is not None and state.params.active
+
+    def prefill_tail(self, seq_id: int) -> int:
+        """Tokens the last prefill chunk of a sequence must compute (at least one): the prompt
+        queries its end-of-prefill compression observes, which must attend in that chunk."""
+        return max(1, self.states[seq_id].observed_prompt_queries)
+
+    def release(
+        self, seq_id: int, num_tokens: int, cached_tokens: int = 0, prefix_parked: str | None = None
+    ) -> CompressionMetrics | None:
         """Forget a finishing sequence (call before its cache is freed); return its metrics."""
-        metrics = self.metrics(seq_id, num_tokens, cached_tokens)
+        metrics = self.metrics(seq_id, num_tokens, cached_tokens, prefix_parked)
         state = self.states.pop(seq_id, None)
         if state is not None:
             self.audit_bytes -= sum(k.nbytes for k in state.audit.values())
@@ -123,8 +142,11 @@ class CompressionEngine:
                 self.future_value.misses.save(f"{time.time_ns()}-{seq_id}", list(state.misses.values()))
         return metrics
 
-    def metrics(self, seq_id: int, num_tokens: int, cached_tokens: int = 0) -> CompressionMetrics | None:
-        """The sequence's figures now: `num_tokens` processed, `cached_tokens` of its prompt reused."""
+    def metrics(
+        self, seq_id: int, num_tokens: int, cached_tokens: int = 0, prefix_parked: str | None = None
+    ) -> CompressionMetrics | None:
+        """The sequence's figures now: `num_tokens` processed, `cached_tokens` of its prompt reused
+        from a prefix-cache entry parked as `prefix_parked`."""
         state = self.states.get(seq_id)
         if state is None:
             return None
@@ -142,6 +164,7 @@ class CompressionEngine:
             compressed_size=compressed,
             compression_ratio=compressed / original if original else 1.0,
             hit_rate=cached_tokens / state.prompt_len if state.prompt_len else 0.0,
+            prefix_parked=prefix_parked if cached_tokens else None,
             recall_rate=state.recall_sum / state.recall_count if state.recall_count else 1.0,
             entries={
                 "full": full,
@@ -163,9 +186,7 @@ class CompressionEngine:
                 continue
             decode = state.prefilled and len(chunk.token_ids) == 1
             if not state.prefilled and chunk.needs_logits:
-                if state.policy.uses_attention:
-                    window = state.policy.observation_window or state.params.observation_window
-                    chunk.observe = min(window, len(chunk.token_ids))
+                chunk.observe = min(state.observed_prompt_queries, len(chunk.token_ids))
             elif decode and state.policy.uses_attention and state.decode_steps % state.params.score_interval == 0:
                 chunk.observe = 1
             chunk.audit = decode and self._audits(state)

@@ -86,6 +86,11 @@ class ParkedKV:
     key_only: np.ndarray  # [layers] KEY_ONLY entries
     meta: dict[str, torch.Tensor]  # bookkeeping rows [layers, ...]
 
+    def holds_every_entry(self, num_tokens: int) -> bool:
+        """Every entry of its `num_tokens` tokens, as stored: nothing dropped, no value quantised
+        to KEY_ONLY. Only such a cache is query-agnostic: it serves any later question."""
+        return bool((self.lengths == num_tokens).all() and (self.key_only == 0).all())
+
 
 @dataclass
 class StepPlan:
@@ -433,6 +438,35 @@ class KVStore:
         self._close_slot(seq_id)
         return parked
 
+    def share(self, seq_id: int) -> ParkedKV | None:
+        """A parked copy of a running sequence's cache that leaves the sequence running: whole
+        blocks are shared by reference, each table's partial last block is copied (the sequence
+        goes on writing into its own). None when the copies do not fit in the budget."""
+        slot = self._slots[seq_id]
+        parked = self._snapshot(slot)
+        n = int(parked.lengths.max())
+        parked.meta = {name: rows[..., :n].clone() for name, rows in parked.meta.items()}
+        counts = (parked.lengths, parked.lengths - parked.key_only, parked.key_only)  # entries per table kind
+        pools = (self._slot_pool[slot], self._slot_pool[slot], self.key_only_pool)
+        partial = {(kind, int(layer)) for kind in range(3) for layer in np.flatnonzero(counts[kind] % self.block_size)}
+        if sum(pools[kind].block_bytes for kind, _ in partial) > self.free_bytes:
+            return None
+        copies: dict[int, list[tuple[int, int]]] = {}  # pool -> (block, its copy)
+        for kind, layers in enumerate(parked.tables):
+            for layer, table in enumerate(layers):
+                if (kind, layer) in partial:
+                    old, (table[-1],) = int(table[-1]), pools[kind].allocate(1)
+                    copies.setdefault(kind == KEY_ONLY, []).append((old, int(table[-1])))
+                    pools[kind].ref(table[:-1].tolist())
+                else:
+                    pools[kind].ref(table.tolist())
+        for key_only, pairs in copies.items():
+            pool = self.key_only_pool if key_only else pools[KEYS]
+            rows = np.array(pairs)[:, :, None] * self.block_size + np.arange(self.block_size)  # [copies, 2, bs]
+            encoded = pool.read_encoded(_tensor(rows[:, 0].ravel(), self.device))
+            pool.write_encoded(_tensor(rows[:, 1].ravel(), self.device), *encoded)
+        return parked
+
     def discard(self, parked: ParkedKV) -> int:
         """Give back a parked cache's references; return the bytes that became free."""
         before = self.used_bytes
@@ -460,6 +494,11 @@ class KVStore:
         except KVBudgetExceeded:
             self.free(seq_id)
             raise
+        # What earlier requests observed was their own questions' attention: the new one starts afresh.
+        self.meta["attention"][:, slot] = 0.0
+        if self.history_steps:
+            self.meta["observed"][:, slot] = 0.0
+            self.meta["forecast"][:, slot] = float("nan")
 
     def free(self, seq_id: int, preempted: bool = False) -> int:
         """Drop a sequence's cache and return the bytes that became free.

@@ -1,10 +1,18 @@
-"""The prefix cache: finished requests' KV, kept (compressed as it is) for the requests that follow.
+"""The prefix cache: KV of earlier prompts and requests, kept for the requests that follow.
 
-When a request ends, its cache is parked here with its token ids and a fingerprint of the
-compression settings it was built under. A new request whose tokens start with a parked
-sequence's tokens (the longest common prefix, under the same fingerprint) starts from those entries,
-sharing their blocks, and prefills only the rest: turn 2 of a chat reuses turn 1. Parked bytes count
-against `max_cache_size`; under memory pressure they are the first to go, by LRU-K.
+What is parked must serve any later question, so only query-agnostic KV is parked:
+- a request's prompt KV as its prefill ends, before the end-of-prefill compression (which keeps
+  what the prompt's last tokens, the question, attended to). Its whole blocks are shared with the
+  running request, so this costs no copy until the request's compaction rewrites them;
+- a finished request's whole cache, but only when it dropped and demoted nothing (compression off,
+  or a rate its storage precision alone meets): then it supersedes its prompt's entry.
+A finished request that compressed is not parked: its cache was pruned for its own question, and a
+second question about the same document would start from it (see docs/design.md).
+
+A new request whose tokens start with a parked entry's tokens (the longest common prefix, under
+the same compression fingerprint) starts from those entries, sharing their blocks, and prefills
+only the rest. Parked bytes count against `max_cache_size`; under memory pressure they are the
+first to go, by LRU-K.
 """
 
 from __future__ import annotations
@@ -19,18 +27,22 @@ import torch
 from compression.kv_store import KVStore, ParkedKV
 from compression.lru import LRUK
 
+PARKED = ("prompt", "request")  # how an entry was parked: a prompt as its prefill ended, a whole finished request
+
 
 @dataclass
 class CachedPrefix:
-    token_ids: torch.Tensor  # [n] the tokens whose entries `kv` holds (positions 0..n-1, some maybe dropped)
+    token_ids: torch.Tensor  # [n] the tokens whose entries `kv` holds, every one as stored
     fingerprint: Hashable
     kv: ParkedKV
+    parked: str  # one of PARKED
 
 
 @dataclass
 class PrefixHit:
     entry_id: int
     num_tokens: int  # tokens of the request served from the cache
+    parked: str  # how the entry was parked
 
 
 class PrefixCache:
@@ -44,36 +56,50 @@ class PrefixCache:
         self.hits = 0
         self.evictions: Counter[str] = Counter()  # entries evicted, by reason
         self.warmup_tokens = 0  # prompt tokens prefilled at start-up
+        self.reused_tokens: Counter[str] = Counter()  # tokens served from the cache, by how they were parked
 
     def __len__(self) -> int:
         return len(self.entries)
 
+    def park_prompt(self, seq_id: int, token_ids: list[int], fingerprint: Hashable) -> None:
+        """Park a running request's prompt KV (call as its prefill ends, before it is compressed)."""
+        if len(token_ids) >= self.min_tokens:
+            kv = self.store.share(seq_id)
+            if kv is not None:  # else the partial blocks' copies do not fit: not worth evicting for
+                self._add(token_ids, fingerprint, kv, "prompt")
+
     def insert(self, seq_id: int, token_ids: list[int], fingerprint: Hashable) -> None:
-        """Park a finished sequence's cache; it supersedes cached prefixes of its own tokens."""
+        """Take a finished request's cache: parked if it holds every entry as stored, else freed."""
         kv = self.store.park(seq_id)
-        if kv is None or len(token_ids) < self.min_tokens:
-            if kv is not None:
-                self.store.discard(kv)
+        if kv is None:
             return
+        if len(token_ids) < self.min_tokens or not kv.holds_every_entry(len(token_ids)):
+            self.store.discard(kv)
+            return
+        self._add(token_ids, fingerprint, kv, "request")
+
+    def _add(self, token_ids: list[int], fingerprint: Hashable, kv: ParkedKV, parked: str) -> None:
+        """A new entry; it supersedes cached prefixes of its own tokens."""
         tokens = torch.tensor(token_ids)
         for entry_id, entry in list(self.entries.items()):
             if entry.fingerprint == fingerprint and _common_prefix(entry.token_ids, tokens) == len(entry.token_ids):
                 self._evict(entry_id, "superseded")
         entry_id = next(self._ids)
-        self.entries[entry_id] = CachedPrefix(tokens, fingerprint, kv)
+        self.entries[entry_id] = CachedPrefix(tokens, fingerprint, kv, parked)
         self.lru.touch(entry_id)
 
-    def lookup(self, token_ids: list[int], fingerprint: Hashable) -> PrefixHit | None:
-        """The longest cached prefix of `token_ids` under `fingerprint`, leaving one token to compute."""
+    def lookup(self, token_ids: list[int], fingerprint: Hashable, tail: int = 1) -> PrefixHit | None:
+        """The longest cached prefix of `token_ids` under `fingerprint`, leaving `tail` tokens (at
+        least one) to compute: the queries the request's end-of-prefill compression observes."""
         self.queries += 1
         tokens = torch.tensor(token_ids)
         best: PrefixHit | None = None
         for entry_id, entry in self.entries.items():
             if entry.fingerprint != fingerprint:
                 continue
-            n = min(_common_prefix(entry.token_ids, tokens), len(token_ids) - 1)
+            n = min(_common_prefix(entry.token_ids, tokens), len(token_ids) - max(1, tail))
             if n >= self.min_tokens and (best is None or n > best.num_tokens):
-                best = PrefixHit(entry_id, n)
+                best = PrefixHit(entry_id, n, entry.parked)
         return best
 
     def adopt(self, seq_id: int, hit: PrefixHit) -> None:
@@ -81,6 +107,7 @@ class PrefixCache:
         self.store.adopt(seq_id, self.entries[hit.entry_id].kv, hit.num_tokens)
         self.lru.touch(hit.entry_id)
         self.hits += 1
+        self.reused_tokens[hit.parked] += hit.num_tokens
 
     def evict_one(self, keep: int | None = None) -> bool:
         """Free the LRU-K victim (never `keep`); False when there is nothing to free."""

@@ -113,6 +113,24 @@ def test_a_prefix_is_shared_by_reference_and_only_its_partial_block_copied():
     assert store.discard(parked) == held and store.used_bytes == 0
 
 
+def test_sharing_a_running_cache_copies_only_partial_blocks_and_survives_its_compaction():
+    store = make_store(storage="int8")
+    fill(store, 1, 40)
+    before = store.used_bytes
+    parked = store.share(1)  # 2 whole blocks shared per table, the partial third one copied
+    assert store.used_bytes == before + store.num_layers * 2 * store.block_bytes(store.make_codec("int8"))
+    assert parked.holds_every_entry(40)
+    check_references(store, [parked])
+    store.retier(1, {layer: mixed_keep(store, 1, layer, 0) for layer in range(3)})
+    fill(store, 1, 10, start=40)  # the sequence writes on, into its own blocks
+    check_references(store, [parked])
+    store.free(1)
+    store.adopt(2, parked, 40)
+    assert torch.allclose(store.view(2, 1).keys[0, :, 0], torch.arange(40.0), rtol=0.01)
+    store.free(2)
+    assert store.discard(parked) > 0 and store.used_bytes == 0
+
+
 def test_adopting_what_does_not_fit_holds_nothing():
     store = make_store()
     fill(store, 1, 40)
@@ -125,7 +143,9 @@ def test_adopting_what_does_not_fit_holds_nothing():
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["grow", "free", "compact", "park", "adopt"]), st.integers(0, 4), st.integers(1, 70)),
+    st.tuples(
+        st.sampled_from(["grow", "free", "compact", "park", "share", "adopt"]), st.integers(0, 4), st.integers(1, 70)
+    ),
     max_size=60,
 )
 
@@ -143,6 +163,9 @@ def test_accounting_matches_references_and_budget(ops, budget_tokens):
             store.free(seq_id)
         elif op == "park" and seq_id in store:
             parked.append(store.park(seq_id))
+        elif op == "share" and seq_id in store:
+            shared = store.share(seq_id)
+            parked += [shared] if shared is not None else []
         elif op == "adopt" and parked and seq_id not in store:
             with contextlib.suppress(KVBudgetExceeded):
                 store.adopt(seq_id, parked[n % len(parked)], n)

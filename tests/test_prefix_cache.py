@@ -45,6 +45,26 @@ def test_chat_turn_two_reuses_turn_one_and_gives_the_same_tokens(model, tokenize
     assert cached.store.used_bytes == cached.store.parked_bytes  # nothing running holds memory
 
 
+def test_a_second_question_about_a_document_answers_as_a_fresh_request(model, tokenizer):
+    """The first question's query-aware compression must not carry over: its prompt is parked before it."""
+    compression = {"policy": "h2o", "compression_rate": 0.75}
+    engine = make_engine(model, tokenizer, compression=SETTINGS, prefix_cache=True)
+    document, decoy, question = ids(tokenizer, 300, seed=20), ids(tokenizer, 12, seed=21), ids(tokenizer, 12, seed=22)
+    first = run(engine, "decoy", document + decoy, **compression)
+    assert first[-1].compression_metrics["entries"]["dropped"] > 0  # the decoy's own cache was pruned
+    (entry,) = engine.prefix_cache.entries.values()  # and not parked: only its prompt, as it was stored
+    assert entry.parked == "prompt" and entry.kv.holds_every_entry(len(document + decoy))
+    second = run(engine, "real", document + question, **compression)
+    fresh = run(make_engine(model, tokenizer, compression=SETTINGS), "real", document + question, **compression)
+    # The document is reused, except for what the compression must observe: the last 32 queries.
+    reused = len(document + question) - engine.compression_config.observation_window
+    assert second[-1].cached_prompt_tokens == reused
+    assert second[-1].compression_metrics["prefix_parked"] == "prompt"
+    assert engine.prefix_cache.reused_tokens == {"prompt": reused}
+    assert tokens_of(second) == tokens_of(fresh)
+    assert engine.store.used_bytes == engine.store.parked_bytes  # nothing running holds memory
+
+
 def test_a_prompt_equal_to_a_cached_one_still_computes_its_last_token(model, tokenizer):
     engine = make_engine(model, tokenizer, prefix_cache=True)
     prompt = ids(tokenizer, 64, seed=3)
@@ -62,7 +82,8 @@ def test_reuse_needs_the_same_compression_settings(model, tokenizer):
     longer = prompt + ids(tokenizer, 30, seed=5)
     assert run(engine, "b", longer, policy="snapkv", compression_rate=0.5)[-1].cached_prompt_tokens == 0
     hit = run(engine, "c", longer, policy="h2o", compression_rate=0.5)[-1]
-    assert hit.cached_prompt_tokens == len(prompt)  # what "a" and "c" share
+    # What "a" and "c" share, but the last 32 queries, which "c"'s compression observes.
+    assert hit.cached_prompt_tokens == min(len(prompt), len(longer) - engine.compression_config.observation_window)
     metrics = hit.compression_metrics
     assert metrics["hit_rate"] > 0.8
     assert metrics["compressed_size"] <= 0.5 * metrics["original_size"] + 24 * engine.store.token_bytes

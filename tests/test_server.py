@@ -232,6 +232,7 @@ def test_compression_stats_report_metrics(server):
         "compressed_size",
         "compression_ratio",
         "hit_rate",
+        "prefix_parked",
         "recall_rate",
         "entries",
         "policy",
@@ -306,6 +307,10 @@ def test_chat_turn_two_reuses_turn_one_from_the_prefix_cache(server):
     )
     assert server.metric("kv_prefix_cache_hits_total") == hits + 1
     assert server.metric("kv_prefix_cache_evictions_total", '{reason="superseded"}') >= 1  # turn 2 replaced turn 1
+    # At the default rate int8 storage alone meets the budget: turn 1 dropped nothing, so it was parked whole.
+    assert second["compression_metrics"]["prefix_parked"] == "request"
+    reused = server.metric("kv_prefix_cache_reused_tokens_total", '{parked="request"}')
+    assert reused >= second["usage"]["cached_prompt_tokens"]
     # The same tokens without the cache give the same greedy answer.
     again = post(server, {"messages": turn2, "max_tokens": 8, "temperature": 0, "compression": {"enabled": False}})
     assert again.json()["text"] == second["text"]
