@@ -76,6 +76,7 @@ bench-predictor: model
 bench-prefix: model
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/prefix_cache.py $(ARGS)
+	$(PY) benchmarks/prefix_questions.py
 
 bench-capacity: model
 	$(PY) benchmarks/capacity.py $(ARGS)

@@ -1,0 +1,129 @@
+"""A document asked two questions: does the prefix cache carry the first question's compression into the second?
+
+Each needle case (a hidden password in 1k, 2k or 3k tokens of text) is asked twice in a row: first
+a decoy question about something else, then the question that needs the password, each as a new
+request whose prompt is the document and the question, as a document-chat client sends them.
+With the prefix cache, the second request reuses the document's KV parked by the first; without it
+(a fresh server), the second request prefills everything. Compression is `dynamic` with int8
+storage at each rate; everything else is the server's defaults. Reported per rate: needles found
+by the second question (fresh and with reuse), its median TTFT, the share of its prompt reused,
+and the KV bytes parked after the first question.
+
+    python benchmarks/prefix_questions.py            # 9 needles (3 per length) x rates 0.6, 0.75, 0.875
+    python benchmarks/prefix_questions.py --quick    # 3 needles, rate 0.875
+Results: benchmarks/results/prefix_questions.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from app.engine import EngineConfig, LLMEngine  # noqa: E402
+from app.sequence import SamplingParams  # noqa: E402
+from benchmarks.report import save_report  # noqa: E402
+from benchmarks.tasks import NeedleCase, needle_cases  # noqa: E402
+from compression.config import CompressionConfig, resolve  # noqa: E402
+from compression.predictor.online import load_future_value, predictor_path  # noqa: E402
+from models.loader import load_model  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DECOY = "What is this text about? Answer in one sentence."
+
+
+def ask(engine: LLMEngine, tokenizer, request_id: str, case: NeedleCase, question: str | None, params) -> dict:
+    """One request: the case's document with `question` (None: the case's own); its answer and timings."""
+    content = case.messages[0]["content"]
+    if question is not None:
+        content = content[: content.rindex("\n\n")] + "\n\n" + question
+    messages = [{"role": "user", "content": content}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    started, first, answer = time.perf_counter(), None, ""
+    engine.add_request(request_id, ids, SamplingParams(max_tokens=16, temperature=0.0), params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if first is None and out.completion_tokens:
+                first = time.perf_counter() - started
+            answer += out.delta_text
+            if out.finished:
+                cached, prompt = out.cached_prompt_tokens, out.prompt_tokens
+    return {"answer": answer, "correct": case.correct(answer), "ttft": first, "reused": cached / prompt}
+
+
+def run_rate(model, tokenizer, cases: list[NeedleCase], rate: float, prefix_cache: bool, future_value) -> list[dict]:
+    config = CompressionConfig.load()
+    engine = LLMEngine(
+        model, tokenizer, EngineConfig(max_cache_bytes=2**31, prefix_cache=prefix_cache), config, future_value
+    )
+    params = resolve(config, {"policy": "dynamic", "compression_rate": rate, "kv_cache_dtype": "int8"}, True, False)
+    rows = []
+    label = f"rate {rate}, {'prefix cache' if prefix_cache else 'fresh'}"
+    with torch.inference_mode():
+        for case in tqdm(cases, desc=label, unit="case"):
+            parked = None
+            if prefix_cache:
+                before = engine.store.parked_bytes
+                ask(engine, tokenizer, f"{case.name}-decoy", case, DECOY, params)
+                parked = engine.store.parked_bytes - before  # what the decoy left for the question
+            row = ask(engine, tokenizer, case.name, case, None, params)
+            rows.append({"case": case.name, "tokens": case.context_tokens, "parked_bytes": parked, **row})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--needles", type=int, default=9, help="split evenly over 1k, 2k and 3k tokens")
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.6, 0.75, 0.875])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS / "prefix_questions")
+    args = parser.parse_args()
+    if args.quick:
+        args.needles, args.rates = 3, [0.875]
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(None, torch.device("cpu"))
+    config = CompressionConfig.load()
+    future_value = load_future_value(predictor_path(None), model.config, torch.device("cpu"), config.score_interval)
+    cases = needle_cases(tokenizer, args.needles, lengths=(1000, 2000, 3000))
+    results = {
+        str(rate): {
+            mode: run_rate(model, tokenizer, cases, rate, on, future_value)
+            for mode, on in (("fresh", False), ("reuse", True))
+        }
+        for rate in args.rates
+    }
+    save_report(args.out, "A document asked two questions", table(results, args), {"results": results}, args)
+
+
+def table(results: dict, args: argparse.Namespace) -> str:
+    lines = [
+        f"{args.needles} needle cases (1k, 2k and 3k tokens), a decoy question then the needle question, `dynamic` "
+        f"with int8 storage; default model, fp32, {args.threads} CPU threads; `python benchmarks/prefix_questions.py`.",
+        "",
+        "| rate | needles found, fresh | needles found, after the decoy with reuse | median TTFT fresh (s) "
+        "| median TTFT with reuse (s) | prompt reused | KV the decoy parked (median) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for rate, modes in results.items():
+        fresh, reuse = modes["fresh"], modes["reuse"]
+        found = [f"{sum(r['correct'] for r in rows)}/{len(rows)}" for rows in (fresh, reuse)]
+        lines.append(
+            f"| {rate} | {found[0]} | {found[1]} "
+            f"| {statistics.median(r['ttft'] for r in fresh):.2f} | {statistics.median(r['ttft'] for r in reuse):.2f} "
+            f"| {statistics.mean(r['reused'] for r in reuse):.0%} "
+            f"| {statistics.median(r['parked_bytes'] for r in reuse) / 2**20:.1f} MiB |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
