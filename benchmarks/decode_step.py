@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import save_report  # noqa: E402
+from benchmarks.report import commit_of, save_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -128,12 +128,6 @@ def run_setup(code_root: Path, setup: str, args: argparse.Namespace, profile: bo
         text=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def commit_of(rev: str) -> str:
-    return subprocess.run(
-        ["git", "rev-parse", "--short", rev], cwd=ROOT, check=True, capture_output=True, text=True
-    ).stdout.strip()
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from app.sequence import SamplingParams  # noqa: E402
-from benchmarks.report import save_report  # noqa: E402
+from benchmarks.report import commit_of, save_report  # noqa: E402
 from benchmarks.tasks import NeedleCase, needle_cases  # noqa: E402
 from compression.config import CompressionConfig, resolve  # noqa: E402
 from compression.predictor.online import load_future_value, predictor_path  # noqa: E402
@@ -101,19 +101,21 @@ def main() -> None:
         }
         for rate in args.rates
     }
-    save_report(args.out, "A document asked two questions", table(results, args), {"results": results}, args)
+    data = {"commit": commit_of(), "results": results}
+    save_report(args.out, "A document asked two questions", table(data, args), data, args)
 
 
-def table(results: dict, args: argparse.Namespace) -> str:
+def table(data: dict, args: argparse.Namespace) -> str:
     lines = [
         f"{args.needles} needle cases (1k, 2k and 3k tokens), a decoy question then the needle question, `dynamic` "
-        f"with int8 storage; default model, fp32, {args.threads} CPU threads; `python benchmarks/prefix_questions.py`.",
+        f"with int8 storage; default model, fp32, {args.threads} CPU threads; commit {data['commit']}, "
+        "`python benchmarks/prefix_questions.py`.",
         "",
         "| rate | needles found, fresh | needles found, after the decoy with reuse | median TTFT fresh (s) "
         "| median TTFT with reuse (s) | prompt reused | KV the decoy parked (median) |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for rate, modes in results.items():
+    for rate, modes in data["results"].items():
         fresh, reuse = modes["fresh"], modes["reuse"]
         found = [f"{sum(r['correct'] for r in rows)}/{len(rows)}" for rows in (fresh, reuse)]
         lines.append(
