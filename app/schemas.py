@@ -74,7 +74,7 @@ class CompressionMetricsModel(BaseModel):
     prefix_parked: Literal["prompt", "request"] | None = Field(
         description="how the reused prefix was parked, both query-agnostic: `prompt`, an earlier prompt's KV "
         "before any compression; `request`, a finished request that dropped and quantised nothing; "
-        "null without reuse"
+        "absent without reuse"
     )
     recall_rate: float = Field(
         description="share of attention mass, over decode steps, layers and heads, on held entries"

@@ -14,6 +14,14 @@ pytestmark = pytest.mark.slow
 
 MODEL = FOLDER_NAME  # the server is started with --model-path: the model is named after its folder
 QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
+# Long enough for the prefix cache, which always leaves the last 32 prompt tokens (what compression observes).
+LONG_QUESTION = [
+    {
+        "role": "user",
+        "content": "A rainbow forms when sunlight enters raindrops, bends, reflects off the back of each drop and "
+        "bends again on the way out, so that every colour leaves at its own angle. Name three colours of the rainbow.",
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -51,19 +59,19 @@ def test_completion_matches_generate(client, server, tokenizer):
 
 
 def test_chat_matches_generate_sync_and_streaming(client, server):
-    want = generate(server, {"messages": QUESTION, "max_tokens": 24})
-    got = client.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=24, temperature=0)
+    want = generate(server, {"messages": LONG_QUESTION, "max_tokens": 24})
+    got = client.chat.completions.create(model=MODEL, messages=LONG_QUESTION, max_completion_tokens=24, temperature=0)
     assert got.object == "chat.completion" and got.id.startswith("chatcmpl-")
     assert got.choices[0].message.role == "assistant"
     assert got.choices[0].message.content == want["text"]
     assert got.usage.prompt_tokens == want["usage"]["prompt_tokens"]
-    # /generate just ran the same prompt: the prefix cache serves all of it but the last token.
-    assert got.usage.prompt_tokens_details.cached_tokens == got.usage.prompt_tokens - 1
+    # /generate just ran the same prompt: the prefix cache serves all of it but the last 32 tokens.
+    assert got.usage.prompt_tokens_details.cached_tokens == got.usage.prompt_tokens - 32
 
     chunks = list(
         client.chat.completions.create(
             model=MODEL,
-            messages=QUESTION,
+            messages=LONG_QUESTION,
             max_tokens=24,
             temperature=0,
             stream=True,

@@ -232,7 +232,6 @@ def test_compression_stats_report_metrics(server):
         "compressed_size",
         "compression_ratio",
         "hit_rate",
-        "prefix_parked",
         "recall_rate",
         "entries",
         "policy",
@@ -301,7 +300,10 @@ def test_chat_turn_two_reuses_turn_one_from_the_prefix_cache(server):
     assert server.metric("kv_cache_bytes", '{pool="prefix"}') > 0  # turn 1 stays parked
     turn2 = [*turn1, {"role": "assistant", "content": first["text"]}, {"role": "user", "content": "And vegetables?"}]
     second = post(server, {"messages": turn2, "max_tokens": 8, "temperature": 0, "compression_stats": True}).json()
-    assert second["usage"]["cached_prompt_tokens"] >= first["usage"]["prompt_tokens"]
+    # All of turn 1 is reused but the last 32 prompt tokens, which compression observes, and which
+    # may reach back into turn 1 when turn 2 adds fewer.
+    prompt = second["usage"]["prompt_tokens"]
+    assert second["usage"]["cached_prompt_tokens"] >= min(first["usage"]["prompt_tokens"], prompt - 32)
     assert second["compression_metrics"]["hit_rate"] == pytest.approx(
         second["usage"]["cached_prompt_tokens"] / second["usage"]["prompt_tokens"]
     )
@@ -318,7 +320,11 @@ def test_chat_turn_two_reuses_turn_one_from_the_prefix_cache(server):
 
 def test_warm_up_serves_the_first_request_from_the_prefix_cache(default_path, tmp_path):
     config = tmp_path / "server.yaml"
-    system = "You are a patient assistant who answers questions about the Python standard library in detail."
+    system = (
+        "You are a patient assistant who answers questions about the Python standard library in detail. "
+        "Name the module, show a short example, say which Python version added it, and point out one common "
+        "mistake. Keep answers under two hundred words and never invent functions that do not exist."
+    )  # long enough to reuse: a prefix hit leaves the last 32 prompt tokens (what compression observes) to compute
     config.write_text(f"prefix_cache_warmup:\n  - [{{role: system, content: '{system}'}}]\n")
     srv = LiveServer("--model-path", str(default_path), "--max-cache-size", "256", "--config", str(config))
     try:
