@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from app.sequence import SamplingParams  # noqa: E402
 from benchmarks.corpus import paragraphs  # noqa: E402
-from benchmarks.report import save_report  # noqa: E402
+from benchmarks.report import commit_of, save_report  # noqa: E402
 from compression.config import CompressionConfig, resolve  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
@@ -110,7 +110,7 @@ def report(results: dict, args) -> None:
     lines = [
         f"{args.conversations} conversations x {args.turns} turns, ~{args.document_tokens}-token documents, "
         f"{args.max_tokens} greedy tokens per answer, server default compression; default model, fp32, "
-        f"{args.threads} CPU threads; medians of one run, both modes side by side.",
+        f"{args.threads} CPU threads; medians of one run, both modes side by side; commit {commit_of()}.",
         "",
         "| turn | TTFT without prefix cache (s) | TTFT with prefix cache (s) | speed-up |",
         "| ---: | ---: | ---: | ---: |",
@@ -120,7 +120,7 @@ def report(results: dict, args) -> None:
         f"Prefix hit rate of turns 2-{args.turns} (prompt tokens served from the cache): "
         f"{results['with']['hit_rate']:.1%}.",
     ]
-    save_report(args.out, "Prefix cache benchmark", "\n".join(lines), {"results": results}, args)
+    save_report(args.out, "Prefix cache benchmark", "\n".join(lines), {"commit": commit_of(), "results": results}, args)
     plot(rows, args.out.with_suffix(".png"))
 
 
