@@ -73,10 +73,10 @@ bench-decode: model
 bench-predictor: model
 	$(PY) benchmarks/predictor.py --traces $(TRACES) $(ARGS)
 
-bench-prefix: model
+bench-prefix: model bench-peers
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/prefix_cache.py $(ARGS)
-	$(PY) benchmarks/prefix_questions.py
+	$(PY) benchmarks/prefix_questions.py --peers
 
 bench-capacity: model
 	$(PY) benchmarks/capacity.py $(ARGS)

@@ -2,9 +2,10 @@
 
 N sequences of P prompt tokens are prefilled, then decode together (greedy, EOS ignored); the
 figure is the median duration of the engine's pure decode steps (every sequence one token). All
-setups run in one process, one after another, on the same prompts. With `--baseline REV` the same
-setups also run on the code of git revision REV (a temporary worktree, in a subprocess), taking
-turns with this tree's, so "before" and "after" are measured side by side in one run.
+setups run in one process, one engine each on the same prompts, sharing the model; once all are
+prefilled their decode steps take turns one step at a time, so that drift on this noisy machine
+hits every setup alike. With `--baseline REV` the same setups also run on the code of git revision
+REV (a temporary worktree, in its own process, before this tree's).
 
     python benchmarks/decode_step.py                       # 16 x 2000 tokens, off / 0.6 / 0.75 / 0.875
     python benchmarks/decode_step.py --baseline HEAD~3     # and the same on an older revision
@@ -39,9 +40,10 @@ SETUPS = {  # label -> (policy, rate)
 
 
 def measure(
-    code_root: Path, setup: str, seqs: int, prompt_tokens: int, steps: int, threads: int, profile: bool
+    code_root: Path, setups: list[str], seqs: int, prompt_tokens: int, steps: int, threads: int, profile: bool
 ) -> dict:
-    """Run one setup on the code at `code_root` (imported from there) and return its figures."""
+    """Run the setups on the code at `code_root` (imported from there), their decode steps taking
+    turns one step at a time, so that drift on this machine hits every setup alike; return their figures."""
     sys.path.insert(0, str(code_root))
     sys.path.insert(1, str(ROOT))  # the corpus helpers, whatever the revision
     import torch
@@ -58,33 +60,46 @@ def measure(
     model, tokenizer = load_model(None, torch.device("cpu"))
     config = CompressionConfig()
     future_value = load_future_value(predictor_path(None), model.config, torch.device("cpu"), config.score_interval)
-    engine = LLMEngine(
-        model,
-        tokenizer,
-        EngineConfig(max_cache_bytes=2**34, max_num_seqs=seqs, max_num_batched_tokens=2048),
-        config,
-        future_value,
-    )
-    policy, rate = SETUPS[setup]
-    params = resolve(config, {"policy": policy, "compression_rate": rate}, True, False)
-    for i in range(seqs):
-        prompt = text_of_tokens(tokenizer, prompt_tokens, offset=11 * i)
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True), params)
-    durations, compression = [], []
-    with torch.inference_mode(), tqdm(total=seqs * steps, desc=f"{setup} ({code_root.name})", leave=False) as bar:
-        while engine.has_unfinished():
-            if profile and len(durations) == steps // 2:
-                return {"python_share": python_share(engine, torch)}
-            outputs = engine.step()
-            bar.update(sum(len(o.new_token_ids) for o in outputs))
-            stats = engine.last_step
-            if stats.num_seqs == seqs and stats.num_tokens == seqs:  # pure decode steps
-                durations.append(stats.duration_s)
-                compression.append(stats.compression_s)
+    engines = {}
+    for setup in setups:  # one engine each, sharing the model
+        engine = LLMEngine(
+            model,
+            tokenizer,
+            EngineConfig(max_cache_bytes=2**34, max_num_seqs=seqs, max_num_batched_tokens=2048),
+            config,
+            future_value,
+        )
+        policy, rate = SETUPS[setup]
+        params = resolve(config, {"policy": policy, "compression_rate": rate}, True, False)
+        for i in range(seqs):
+            prompt = text_of_tokens(tokenizer, prompt_tokens, offset=11 * i)
+            sampling = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+            engine.add_request(str(i), prompt, sampling, params)
+        engines[setup] = engine
+    durations = {setup: [] for setup in setups}
+    compression = {setup: [] for setup in setups}
+    with torch.inference_mode(), tqdm(total=len(setups) * seqs * steps, desc=code_root.name, leave=False) as bar:
+        for engine in engines.values():  # prefill each, up to its first pure decode step
+            while engine.last_step is None or engine.last_step.num_tokens != seqs:
+                bar.update(sum(len(o.new_token_ids) for o in engine.step()))
+        while any(engine.has_unfinished() for engine in engines.values()):
+            for setup, engine in engines.items():
+                if profile and len(durations[setup]) == steps // 2:
+                    return {"python_share": python_share(engine, torch)}
+                if not engine.has_unfinished():
+                    continue
+                bar.update(sum(len(o.new_token_ids) for o in engine.step()))
+                stats = engine.last_step
+                if stats.num_seqs == seqs and stats.num_tokens == seqs:  # pure decode steps
+                    durations[setup].append(stats.duration_s)
+                    compression[setup].append(stats.compression_s)
     return {
-        "median_step_ms": 1000 * statistics.median(durations),
-        "median_compression_ms": 1000 * statistics.median(compression),
-        "decode_steps": len(durations),
+        setup: {
+            "median_step_ms": 1000 * statistics.median(durations[setup]),
+            "median_compression_ms": 1000 * statistics.median(compression[setup]),
+            "decode_steps": len(durations[setup]),
+        }
+        for setup in setups
     }
 
 
@@ -103,14 +118,14 @@ def python_share(engine, torch, steps: int = 4) -> dict:
     return {"step_ms": wall / 1000 / steps, "python_ms": (wall - native) / 1000 / steps, "share": 1 - native / wall}
 
 
-def run_setup(code_root: Path, setup: str, args: argparse.Namespace, profile: bool = False) -> dict:
-    """One setup in a fresh process (so setups do not share allocator state or warm caches)."""
+def run_tree(code_root: Path, setups: list[str], args: argparse.Namespace, profile: bool = False) -> dict:
+    """The setups on one code tree, in a fresh process."""
     out = subprocess.run(
         [
             sys.executable,
             __file__,
             "--measure",
-            setup,
+            *setups,
             "--code-root",
             str(code_root),
             "--seqs",
@@ -141,7 +156,7 @@ def main() -> None:
     parser.add_argument("--profile-seqs", type=int, default=0, help="also profile decode steps at this batch")
     parser.add_argument("--profile-prompt-tokens", type=int, default=512, help="prompt length of the profiled runs")
     parser.add_argument("--out", type=Path, default=RESULTS / "decode_step")
-    parser.add_argument("--measure", help=argparse.SUPPRESS)
+    parser.add_argument("--measure", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--code-root", type=Path, default=ROOT, help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -158,14 +173,11 @@ def main() -> None:
             subprocess.run(["git", "worktree", "add", "--detach", str(baseline), args.baseline], cwd=ROOT, check=True)
             trees = {f"{args.baseline} ({commit_of(args.baseline)})": baseline, "this tree": ROOT}
         try:
-            results = {tree: {} for tree in trees}
-            for setup in tqdm(args.setups, desc="decode step", unit="setup"):
-                for tree, root in trees.items():  # taking turns: drift on this machine hits both alike
-                    results[tree][setup] = run_setup(root, setup, args)
+            results = {tree: run_tree(root, args.setups, args) for tree, root in tqdm(trees.items(), unit="tree")}
             profiles = {}
             if args.profile_seqs:
                 for setup in ("compression off", "int8, rate 0.6"):
-                    profiles[setup] = run_setup(ROOT, setup, args, profile=True)["python_share"]
+                    profiles[setup] = run_tree(ROOT, [setup], args, profile=True)["python_share"]
         finally:
             if args.baseline:
                 subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=ROOT, check=True)
@@ -176,7 +188,8 @@ def main() -> None:
 def table(data: dict, args: argparse.Namespace) -> str:
     lines = [
         f"{args.seqs} sequences of {args.prompt_tokens} prompt tokens decoding together, {args.threads} CPU threads, "
-        f"median of {args.steps}-token runs' pure decode steps; commit {data['commit']}, "
+        f"median of {args.steps}-token runs' pure decode steps, the setups' steps taking turns in one process; "
+        f"commit {data['commit']}, "
         f"`python benchmarks/decode_step.py{' --baseline ' + args.baseline if args.baseline else ''}`.",
         "",
         "| code | setup | median decode step | vs compression off | compression engine (median) |",

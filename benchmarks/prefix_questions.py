@@ -7,9 +7,12 @@ With the prefix cache, the second request reuses the document's KV parked by the
 (a fresh server), the second request prefills everything. Compression is `dynamic` with int8
 storage at each rate; everything else is the server's defaults. Reported per rate: needles found
 by the second question (fresh and with reuse), its median TTFT, the share of its prompt reused,
-and the KV bytes parked after the first question.
+and the KV bytes parked after the first question. With `--peers`, kvpress's KVzipPress runs the
+same cases in its own environment (`make bench-peers`): the document compressed once without a
+question, at the same rate (the same bytes as ours, whose int8 storage is part of the rate), then asked.
 
     python benchmarks/prefix_questions.py            # 9 needles (3 per length) x rates 0.6, 0.75, 0.875
+    python benchmarks/prefix_questions.py --peers    # and KVzip on the same cases
     python benchmarks/prefix_questions.py --quick    # 3 needles, rate 0.875
 Results: benchmarks/results/prefix_questions.{json,md}.
 """
@@ -17,8 +20,11 @@ Results: benchmarks/results/prefix_questions.{json,md}.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,22 +39,31 @@ from benchmarks.report import commit_of, save_report  # noqa: E402
 from benchmarks.tasks import NeedleCase, needle_cases  # noqa: E402
 from compression.config import CompressionConfig, resolve  # noqa: E402
 from compression.predictor.online import load_future_value, predictor_path  # noqa: E402
+from models.default_model import default_model_path  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 DECOY = "What is this text about? Answer in one sentence."
+MAX_TOKENS = 16
+
+
+def split(case: NeedleCase) -> tuple[str, str]:
+    """The case's user message as (document followed by a blank line, question)."""
+    content = case.messages[0]["content"]
+    cut = content.rindex("\n\n") + 2
+    return content[:cut], content[cut:]
 
 
 def ask(engine: LLMEngine, tokenizer, request_id: str, case: NeedleCase, question: str | None, params) -> dict:
     """One request: the case's document with `question` (None: the case's own); its answer and timings."""
-    content = case.messages[0]["content"]
-    if question is not None:
-        content = content[: content.rindex("\n\n")] + "\n\n" + question
-    messages = [{"role": "user", "content": content}]
+    document, own = split(case)
+    messages = [{"role": "user", "content": document + (own if question is None else question)}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, add_special_tokens=False).input_ids
     started, first, answer = time.perf_counter(), None, ""
-    engine.add_request(request_id, ids, SamplingParams(max_tokens=16, temperature=0.0), params)
+    engine.add_request(request_id, ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), params)
     while engine.has_unfinished():
         for out in engine.step():
             if first is None and out.completion_tokens:
@@ -85,6 +100,7 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=[0.6, 0.75, 0.875])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--peers", action="store_true", help="also run kvpress's KVzipPress (make bench-peers)")
     parser.add_argument("--out", type=Path, default=RESULTS / "prefix_questions")
     args = parser.parse_args()
     if args.quick:
@@ -102,7 +118,44 @@ def main() -> None:
         for rate in args.rates
     }
     data = {"commit": commit_of(), "results": results}
+    if args.peers:
+        data["kvzip"] = kvzip(cases, args)
     save_report(args.out, "A document asked two questions", table(data, args), data, args)
+
+
+def kvzip(cases: list[NeedleCase], args: argparse.Namespace) -> dict[str, list[dict]]:
+    """KVzipPress's answers per rate, from kvpress's environment, scored here."""
+    if not PEERS_PYTHON.exists():
+        raise SystemExit(f"{PEERS_PYTHON} is missing: run `make bench-peers` (it builds kvpress's environment)")
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = Path(tmp) / "cases.json", Path(tmp) / "answers.json"
+        spec.write_text(
+            json.dumps(
+                {
+                    "model_path": str(default_model_path()),
+                    "rates": args.rates,
+                    "cases": [
+                        {"name": c.name, "context": split(c)[0], "question": split(c)[1], "max_tokens": MAX_TOKENS}
+                        for c in cases
+                    ],
+                }
+            )
+        )
+        runner = ROOT / "benchmarks" / "peers" / "kvzip_questions.py"
+        command = [str(PEERS_PYTHON), str(runner), "--cases", str(spec), "--out", str(out)]
+        subprocess.run([*command, "--threads", str(args.threads)], check=True)
+        answers = json.loads(out.read_text())["answers"]
+    return {
+        str(rate): [
+            {"case": c.name, "answer": answers[str(rate)][c.name], "correct": c.correct(answers[str(rate)][c.name])}
+            for c in cases
+        ]
+        for rate in args.rates
+    }
+
+
+def found(rows: list[dict]) -> str:
+    return f"{sum(r['correct'] for r in rows)}/{len(rows)}"
 
 
 def table(data: dict, args: argparse.Namespace) -> str:
@@ -117,13 +170,23 @@ def table(data: dict, args: argparse.Namespace) -> str:
     ]
     for rate, modes in data["results"].items():
         fresh, reuse = modes["fresh"], modes["reuse"]
-        found = [f"{sum(r['correct'] for r in rows)}/{len(rows)}" for rows in (fresh, reuse)]
         lines.append(
-            f"| {rate} | {found[0]} | {found[1]} "
+            f"| {rate} | {found(fresh)} | {found(reuse)} "
             f"| {statistics.median(r['ttft'] for r in fresh):.2f} | {statistics.median(r['ttft'] for r in reuse):.2f} "
             f"| {statistics.mean(r['reused'] for r in reuse):.0%} "
             f"| {statistics.median(r['parked_bytes'] for r in reuse) / 2**20:.1f} MiB |"
         )
+    if "kvzip" in data:
+        lines += [
+            "",
+            "kvpress's KVzipPress (query-agnostic: the document compressed once without a question, then asked) "
+            "at the same rate, i.e. the same bytes:",
+            "",
+            "| rate | needles found, KVzip | needles found, ours after the decoy with reuse |",
+            "| ---: | ---: | ---: |",
+        ]
+        for rate, rows in data["kvzip"].items():
+            lines.append(f"| {rate} | {found(rows)} | {found(data['results'][rate]['reuse'])} |")
     return "\n".join(lines)
 
 

@@ -451,7 +451,7 @@ class KVStore:
         partial = {(kind, int(layer)) for kind in range(3) for layer in np.flatnonzero(counts[kind] % self.block_size)}
         if sum(pools[kind].block_bytes for kind, _ in partial) > self.free_bytes:
             return None
-        copies: dict[int, list[tuple[int, int]]] = {}  # pool -> (block, its copy)
+        copies: dict[bool, list[tuple[int, int]]] = {}  # key-only pool or not -> (block, its copy) pairs
         for kind, layers in enumerate(parked.tables):
             for layer, table in enumerate(layers):
                 if (kind, layer) in partial:
