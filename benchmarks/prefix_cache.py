@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
-from app.sequence import SamplingParams  # noqa: E402
+from benchmarks.chat import ask  # noqa: E402
 from benchmarks.corpus import paragraphs  # noqa: E402
 from benchmarks.report import commit_of, save_report  # noqa: E402
 from compression.config import CompressionConfig, resolve  # noqa: E402
@@ -53,22 +52,12 @@ def run_conversations(model, tokenizer, docs: list[str], turns: int, max_tokens:
         for c, doc in enumerate(docs):
             messages = [{"role": "user", "content": f"{doc}\n\nWhat is this text about?"}]
             for turn in range(1, turns + 1):
-                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-                ids = tokenizer(text, add_special_tokens=False).input_ids
-                started = time.perf_counter()
-                engine.add_request(f"{c}-{turn}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0), params)
-                answer, first = "", None
-                while engine.has_unfinished():
-                    for out in engine.step():
-                        if first is None and out.completion_tokens:
-                            first = time.perf_counter() - started
-                        answer += out.delta_text
-                        if out.finished:
-                            cached += out.cached_prompt_tokens if turn > 1 else 0
-                            prompt += out.prompt_tokens if turn > 1 else 0
-                ttft[turn].append(first)
+                answer = ask(engine, tokenizer, f"{c}-{turn}", messages, max_tokens, params)
+                if turn > 1:
+                    cached, prompt = cached + answer.cached_tokens, prompt + answer.prompt_tokens
+                ttft[turn].append(answer.ttft)
                 messages += [
-                    {"role": "assistant", "content": answer},
+                    {"role": "assistant", "content": answer.text},
                     {"role": "user", "content": FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]},
                 ]
                 bar.update(1)

@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -34,7 +33,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
-from app.sequence import SamplingParams  # noqa: E402
+from benchmarks.chat import ask  # noqa: E402
 from benchmarks.report import commit_of, save_report  # noqa: E402
 from benchmarks.tasks import NeedleCase, needle_cases  # noqa: E402
 from compression.config import CompressionConfig, resolve  # noqa: E402
@@ -56,22 +55,13 @@ def split(case: NeedleCase) -> tuple[str, str]:
     return content[:cut], content[cut:]
 
 
-def ask(engine: LLMEngine, tokenizer, request_id: str, case: NeedleCase, question: str | None, params) -> dict:
+def ask_case(engine: LLMEngine, tokenizer, request_id: str, case: NeedleCase, question: str | None, params) -> dict:
     """One request: the case's document with `question` (None: the case's own); its answer and timings."""
     document, own = split(case)
     messages = [{"role": "user", "content": document + (own if question is None else question)}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    started, first, answer = time.perf_counter(), None, ""
-    engine.add_request(request_id, ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), params)
-    while engine.has_unfinished():
-        for out in engine.step():
-            if first is None and out.completion_tokens:
-                first = time.perf_counter() - started
-            answer += out.delta_text
-            if out.finished:
-                cached, prompt = out.cached_prompt_tokens, out.prompt_tokens
-    return {"answer": answer, "correct": case.correct(answer), "ttft": first, "reused": cached / prompt}
+    answer = ask(engine, tokenizer, request_id, messages, MAX_TOKENS, params)
+    reused = answer.cached_tokens / answer.prompt_tokens
+    return {"answer": answer.text, "correct": case.correct(answer.text), "ttft": answer.ttft, "reused": reused}
 
 
 def run_rate(model, tokenizer, cases: list[NeedleCase], rate: float, prefix_cache: bool, future_value) -> list[dict]:
@@ -87,9 +77,9 @@ def run_rate(model, tokenizer, cases: list[NeedleCase], rate: float, prefix_cach
             parked = None
             if prefix_cache:
                 before = engine.store.parked_bytes
-                ask(engine, tokenizer, f"{case.name}-decoy", case, DECOY, params)
+                ask_case(engine, tokenizer, f"{case.name}-decoy", case, DECOY, params)
                 parked = engine.store.parked_bytes - before  # what the decoy left for the question
-            row = ask(engine, tokenizer, case.name, case, None, params)
+            row = ask_case(engine, tokenizer, case.name, case, None, params)
             rows.append({"case": case.name, "tokens": case.context_tokens, "parked_bytes": parked, **row})
     return rows
 
