@@ -93,10 +93,12 @@ $(PEERS_STAMP):
 
 bench-peers: $(PEERS_STAMP)
 
-# Our policies and kvpress's presses on the same cases, one run (about 45 minutes on 2 cores).
+# Our policies and kvpress's presses on the same cases, one run (about 45 minutes on 2 cores), then
+# documents asked two questions through the prefix cache, with KVzip (about 15 minutes).
 bench-quality: model bench-peers
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/quality.py --peers $(ARGS)
+	$(PY) benchmarks/prefix_questions.py --peers
 
 clean:
 	rm -rf $(VENV) $(PEERS_VENV)

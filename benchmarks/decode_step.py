@@ -10,6 +10,7 @@ REV (a temporary worktree, in its own process, before this tree's).
     python benchmarks/decode_step.py                       # 16 x 2000 tokens, off / 0.6 / 0.75 / 0.875
     python benchmarks/decode_step.py --baseline HEAD~3     # and the same on an older revision
     python benchmarks/decode_step.py --profile-seqs 32     # also: the Python share of a decode step
+    python benchmarks/decode_step.py --setups --profile-seqs 32 --out benchmarks/results/decode_step_profile
 Results: benchmarks/results/decode_step.{json,md}.
 """
 
@@ -154,7 +155,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48, help="tokens each sequence decodes (3 compressions)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--baseline", help="a git revision to measure side by side (before/after)")
-    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    parser.add_argument(
+        "--setups", nargs="*", default=list(SETUPS), choices=list(SETUPS), help="none: only the profile"
+    )
     parser.add_argument("--profile-seqs", type=int, default=0, help="also profile decode steps at this batch")
     parser.add_argument("--profile-prompt-tokens", type=int, default=512, help="prompt length of the profiled runs")
     parser.add_argument("--out", type=Path, default=RESULTS / "decode_step")
@@ -175,7 +178,9 @@ def main() -> None:
             subprocess.run(["git", "worktree", "add", "--detach", str(baseline), args.baseline], cwd=ROOT, check=True)
             trees = {f"{args.baseline} ({commit_of(args.baseline)})": baseline, "this tree": ROOT}
         try:
-            results = {tree: run_tree(root, args.setups, args) for tree, root in tqdm(trees.items(), unit="tree")}
+            results = {}
+            if args.setups:
+                results = {tree: run_tree(root, args.setups, args) for tree, root in tqdm(trees.items(), unit="tree")}
             profiles = {}
             if args.profile_seqs:
                 for setup in ("compression off", "int8, rate 0.6"):
@@ -188,15 +193,17 @@ def main() -> None:
 
 
 def table(data: dict, args: argparse.Namespace) -> str:
-    lines = [
-        f"{args.seqs} sequences of {args.prompt_tokens} prompt tokens decoding together, {args.threads} CPU threads, "
-        f"median of {args.steps}-token runs' pure decode steps, the setups' steps taking turns in one process; "
-        f"commit {data['commit']}, "
-        f"`python benchmarks/decode_step.py{' --baseline ' + args.baseline if args.baseline else ''}`.",
-        "",
-        "| code | setup | median decode step | vs compression off | compression engine (median) |",
-        "| --- | --- | ---: | ---: | ---: |",
-    ]
+    command = f"commit {data['commit']}, `{' '.join(['python benchmarks/decode_step.py', *sys.argv[1:]])}`"
+    lines = []
+    if data["results"]:
+        lines += [
+            f"{args.seqs} sequences of {args.prompt_tokens} prompt tokens decoding together, {args.threads} CPU "
+            f"threads, median of {args.steps}-token runs' pure decode steps, the setups' steps taking turns in one "
+            f"process; {command}.",
+            "",
+            "| code | setup | median decode step | vs compression off | compression engine (median) |",
+            "| --- | --- | ---: | ---: | ---: |",
+        ]
     for tree, rows in data["results"].items():
         off = rows.get("compression off", {}).get("median_step_ms")
         for setup, row in rows.items():
@@ -207,13 +214,14 @@ def table(data: dict, args: argparse.Namespace) -> str:
         lines += [
             "",
             f"Python share of a decode step at {args.profile_seqs} sequences of {args.profile_prompt_tokens} prompt "
-            "tokens (torch profiler, 4 steps; time outside torch operators and the decode kernel):",
+            "tokens (torch profiler, 4 steps; time outside torch operators and the decode kernel); "
+            f"{command}:",
             "",
         ]
         lines += ["| setup | step | outside operators and kernel | share |", "| --- | ---: | ---: | ---: |"]
         for setup, p in data["profiles"].items():
             lines.append(f"| {setup} | {p['step_ms']:.0f} ms | {p['python_ms']:.1f} ms | {100 * p['share']:.1f}% |")
-    return "\n".join(lines)
+    return "\n".join(lines).strip()
 
 
 if __name__ == "__main__":
