@@ -171,6 +171,7 @@ def main() -> None:
         )
         print(json.dumps(result))
         return
+    commit = commit_of()  # the code measured, before anything can change it
     trees = {"this tree": ROOT}
     with tempfile.TemporaryDirectory() as tmp:
         if args.baseline:
@@ -188,7 +189,7 @@ def main() -> None:
         finally:
             if args.baseline:
                 subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=ROOT, check=True)
-    data = {"commit": commit_of("HEAD"), "results": results, "profiles": profiles}
+    data = {"commit": commit, "results": results, "profiles": profiles}
     save_report(args.out, "Decode step at the same batch", table(data, args), data, args)
 
 

@@ -95,6 +95,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.needles, args.rates = 3, [0.875]
+    commit = commit_of()  # the code measured, before anything can change it
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(None, torch.device("cpu"))
     config = CompressionConfig.load()
@@ -107,7 +108,7 @@ def main() -> None:
         }
         for rate in args.rates
     }
-    data = {"commit": commit_of(), "results": results}
+    data = {"commit": commit, "results": results}
     if args.peers:
         data["kvzip"] = kvzip(cases, args)
     save_report(args.out, "A document asked two questions", table(data, args), data, args)
