@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import save_report  # noqa: E402
+from benchmarks.report import commit_of, save_report  # noqa: E402
 from load_tests.run import served  # noqa: E402
 from models.loader import KVShape  # noqa: E402
 
@@ -300,7 +300,7 @@ def answer_agreement(runs: dict, count: int) -> dict:
 def report(summaries: dict, runs: dict, args, setup: str, agreement: dict | None) -> None:
     lines = [
         f"{setup}; default model, fp32, {args.threads} CPU threads. SLO for goodput: TTFT <= {args.slo_ttft:.0f} s "
-        f"and TPOT <= {args.slo_tpot:.2f} s.",
+        f"and TPOT <= {args.slo_tpot:.2f} s. Commit {commit_of()}.",
         "",
         "| mode | errors | peak running | mean running | req/s | output tok/s | goodput req/s | "
         "TTFT median / p99 s | TPOT median / p99 s | ITL median / p99 s |",
@@ -333,7 +333,7 @@ def report(summaries: dict, runs: dict, args, setup: str, agreement: dict | None
                 f"throughput (its peak running requests are read from its own request lifespans; it reports no "
                 "KV memory)."
             )
-    data = {"setup": setup, "summaries": summaries, "agreement": agreement}
+    data = {"commit": commit_of(), "setup": setup, "summaries": summaries, "agreement": agreement}
     data["timelines"] = {name: run["samples"] for name, run in runs.items()}
     save_report(args.out, "Serving benchmark over HTTP", "\n".join(lines), data, args)
     plot(runs, args.out.with_suffix(".png"))
