@@ -431,9 +431,7 @@ class KVStore:
         if seq_id not in self._slots:
             return None
         slot = self._slots[seq_id]
-        parked = self._snapshot(slot)
-        n = int(parked.lengths.max())
-        parked.meta = {name: rows[..., :n].clone() for name, rows in parked.meta.items()}
+        parked = self._snapshot(slot, own_meta=True)
         self.num_blocks[:, :, slot] = 0  # the references move to the parked cache
         self._close_slot(seq_id)
         return parked
@@ -443,9 +441,7 @@ class KVStore:
         blocks are shared by reference, each table's partial last block is copied (the sequence
         goes on writing into its own). None when the copies do not fit in the budget."""
         slot = self._slots[seq_id]
-        parked = self._snapshot(slot)
-        n = int(parked.lengths.max())
-        parked.meta = {name: rows[..., :n].clone() for name, rows in parked.meta.items()}
+        parked = self._snapshot(slot, own_meta=True)
         counts = (parked.lengths, parked.lengths - parked.key_only, parked.key_only)  # entries per table kind
         pools = (self._slot_pool[slot], self._slot_pool[slot], self.key_only_pool)
         partial = {(kind, int(layer)) for kind in range(3) for layer in np.flatnonzero(counts[kind] % self.block_size)}
@@ -591,8 +587,11 @@ class KVStore:
         """Pool rows of the first n entries of one table of a running slot."""
         return _tensor(_entry_rows(self.tables[kind, layer, slot], np.arange(n), self.block_size), self.device)
 
-    def _snapshot(self, slot: int) -> ParkedKV:
-        """A running slot's cache as a parked one would hold it: tables copied, bookkeeping as views."""
+    def _snapshot(self, slot: int, own_meta: bool = False) -> ParkedKV:
+        """A running slot's cache as a parked one holds it: tables copied, bookkeeping as views of the
+        slot's rows, or (`own_meta`) copied up to its longest layer, to outlive the slot."""
+        n = int(self.lengths[:, slot].max())
+        meta = {name: t[:, slot, ..., :n].clone() if own_meta else t[:, slot] for name, t in self.meta.items()}
         return ParkedKV(
             codec=self._slot_pool[slot].codec,
             tables=[
@@ -604,7 +603,7 @@ class KVStore:
             ],
             lengths=self.lengths[:, slot].copy(),
             key_only=self.key_only[:, slot].copy(),
-            meta={name: t[:, slot] for name, t in self.meta.items()},
+            meta=meta,
         )
 
     def _rebuild(self, slot: int, source: ParkedKV, keep: dict[int, Keep], charge: bool = True) -> None:
