@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from compression.config import Policy, StorageDtype, Thresholds
+from compression.config import CompressionOptions
 
 
 class _Strict(BaseModel):
@@ -16,23 +16,6 @@ class _Strict(BaseModel):
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant"]
     content: str
-
-
-class CompressionOptions(_Strict):
-    """Per-request compression settings; anything left out comes from the server's config."""
-
-    enabled: bool | None = None
-    policy: Policy | None = None
-    compression_rate: float | None = Field(None, ge=0.0, lt=1.0, description="share of KV bytes to remove")
-    thresholds: Thresholds | None = None
-    prediction_window: int | None = Field(None, ge=1, le=8192)
-    compression_interval: int | None = Field(None, ge=1, le=4096)
-    kv_cache_dtype: StorageDtype | None = Field(
-        None, description="storage precision of FULL entries (auto: the model's dtype); int8 keeps ~26% of fp32"
-    )
-    value_predictor: bool | None = Field(
-        None, description="dynamic policy: rank entries by the value predictor's forecast (default true when loaded)"
-    )
 
 
 class GenerateRequest(_Strict):

@@ -19,7 +19,7 @@ from app.metrics import Metrics
 from app.schemas import CompressionMetricsModel, GenerateRequest, GenerateResponse, StreamChunk, Usage
 from app.sequence import SamplingParams
 from app.settings import Settings
-from compression.config import CompressionParams, resolve
+from compression.config import CompressionParams, InvalidCompression, resolve
 
 
 class APIError(Exception):
@@ -91,12 +91,16 @@ class GenerateService:
                 f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the model's context of "
                 f"{self.max_model_len} tokens; shorten the prompt or lower max_tokens",
             )
-        compression = resolve(
-            self.compression_config,
-            req.compression.model_dump(exclude_unset=True) if req.compression else None,
-            server_enabled=self.settings.compression_enabled,
-            stats=req.compression_stats,
-        )
+        try:
+            compression = resolve(
+                self.compression_config,
+                req.compression.model_dump(exclude_unset=True) if req.compression else None,
+                server_enabled=self.settings.compression_enabled,
+                stats=req.compression_stats,
+            )
+        except InvalidCompression as error:  # valid alone, not over the server's config
+            self._refuse(422)
+            raise APIError(422, "invalid_request", str(error), param=error.fields[0]) from None
         # Without compression the whole request must fit the budget; with it, the prompt must.
         store = self.engine.engine.store
         need = len(ids) if compression.active else len(ids) + max_tokens

@@ -1,49 +1,110 @@
-"""Compression settings: the server-wide file (`config/compression.json`, seed 002's shape plus
-ours) and the per-request parameters resolved from it and the request's `compression` object."""
+"""Compression settings, each declared once.
+
+`CompressionSettings` is what a request may choose (its `compression` object). The server-wide
+file (`config/compression.json`, seed 002's shape plus ours) is a `CompressionConfig`: those
+settings' defaults plus the server's own. The request schema (`CompressionOptions`) is derived
+from `CompressionSettings` with every field optional, and `resolve` lays a request over the
+config and validates the result again, so the config file, requests and the library all get the
+same bounds and the same refusal of unknown options.
+"""
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import astuple, dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+
+from compression.scoring import NO_COMPRESSION, ScorePolicy, make_policy, policy_names
 
 DEFAULT_FILE = Path(__file__).resolve().parent.parent / "config" / "compression.json"
 
-Policy = Literal["dynamic", "none", "streaming_llm", "h2o", "snapkv", "tova", "knorm", "random"]
 StorageDtype = Literal["auto", "float32", "float16", "bfloat16", "int8", "int4"]
-POLICIES: tuple[str, ...] = Policy.__args__
 
 
 class Thresholds(BaseModel):
-    """Retention confidence thresholds: >= high stays FULL, >= medium KEY_ONLY, below is dropped."""
+    """Retention confidence thresholds (seed 002): >= high stays FULL, >= medium KEY_ONLY, below is dropped."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
     high: float = Field(0.9, ge=0.0, le=1.0)
     medium: float = Field(0.7, ge=0.0, le=1.0)
+    low: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="seed 002's drop line for entries an earlier compression kept: they are dropped only below "
+        "it, and between low and medium they stay as KEY_ONLY (default: medium)",
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> Thresholds:
         if self.medium > self.high:
             raise ValueError("thresholds.medium must not exceed thresholds.high")
+        if self.low is not None and self.low > self.medium:
+            raise ValueError("thresholds.low must not exceed thresholds.medium")
         return self
 
+    @property
+    def drop_line(self) -> float:
+        """Below this an entry that was kept before is dropped."""
+        return self.medium if self.low is None else self.low
 
-class CompressionConfig(BaseModel):
-    """The server-wide defaults. Field names follow seed 002 where it names them."""
 
-    model_config = ConfigDict(extra="forbid")
-    confidence_thresholds: Thresholds = Thresholds()
+class CompressionSettings(BaseModel):
+    """What a request may choose; the config file gives the defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    policy: str = Field("dynamic", description=f"one of {', '.join(policy_names())}; `none` does not compress")
+    policy_options: dict[str, dict[str, float | int | bool]] = Field(
+        default_factory=dict,
+        description='parameters of policies by policy name (a policy\'s fields), e.g. {"snapkv": {"kernel_size": 7}}',
+    )
+    compression_rate: float = Field(0.6, ge=0.0, lt=1.0, description="share of KV bytes to remove")
+    thresholds: Thresholds = Field(Thresholds(), validation_alias=AliasChoices("thresholds", "confidence_thresholds"))
+    prediction_window: int = Field(128, ge=1, le=8192, description="future tokens the value predictor looks ahead")
+    compression_interval: int = Field(16, ge=1, description="decode steps between compressions")
+    kv_cache_dtype: StorageDtype = Field(
+        "int8",
+        description="storage precision of FULL entries of compressed requests; auto is the model's dtype "
+        "(uncompressed requests always keep the model's dtype); int8 keeps ~26% of fp32",
+    )
+    value_predictor: bool = Field(
+        True, description="rank entries by the value predictor's forecast when one is loaded (policies that use it)"
+    )
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        if name not in policy_names():
+            raise ValueError(f"unknown policy {name!r}: use one of {', '.join(policy_names())}")
+        return name
+
+    @field_validator("policy_options")
+    @classmethod
+    def _known_options(cls, options: dict[str, dict]) -> dict[str, dict]:
+        for name, values in options.items():
+            make_policy(name, values)  # raises on an unknown policy or option
+        return options
+
+
+class CompressionConfig(CompressionSettings):
+    """The server-wide defaults and the server's own settings. Names follow seed 002 where it names them."""
+
     cache_eviction_policy: Literal["LRU-2", "LRU-3"] = "LRU-2"
     max_cache_size: str = "80%"
-    policy: Policy = "dynamic"
-    compression_rate: float = Field(0.6, ge=0.0, lt=1.0)
-    compression_interval: int = Field(16, ge=1, description="decode steps between compressions")
     score_interval: int = Field(4, ge=1, description="decode steps between attention observations")
-    prediction_window: int = Field(128, ge=1, description="future tokens the value predictor looks ahead")
     prediction_refresh: int = Field(
         2,
         ge=1,
@@ -53,19 +114,7 @@ class CompressionConfig(BaseModel):
     observation_window: int = Field(32, ge=1, description="last prompt queries observed at the end of prefill")
     sink_tokens: int = Field(4, ge=0, description="first tokens never dropped (attention sinks)")
     recent_window: int = Field(32, ge=0, description="most recent tokens never dropped")
-    kv_cache_dtype: StorageDtype = Field(
-        "int8",
-        description="storage precision of FULL entries of compressed requests; auto is the model's dtype "
-        "(uncompressed requests always keep the model's dtype)",
-    )
     key_only_value_bits: Literal[4, 8] = 4
-    attention_decay: float = Field(0.95, gt=0.0, le=1.0, description="per-observation decay of dynamic scores")
-    confident_extra_rate: float = Field(
-        0.1,
-        ge=0.0,
-        le=1.0,
-        description="share of the remaining bytes the dynamic budget also removes while the model is confident",
-    )
     pressure_rate_ceiling: float = Field(
         0.9, ge=0.0, lt=1.0, description="under memory pressure running requests compress up to this rate"
     )
@@ -82,74 +131,77 @@ class CompressionConfig(BaseModel):
         return cls.model_validate(json.loads(Path(path).read_text()))
 
 
-@dataclass(frozen=True)
-class CompressionParams:
-    """What the engine applies to one request."""
+class CompressionParams(CompressionConfig):
+    """What the engine applies to one request: the config with the request's choices over it."""
 
-    enabled: bool
-    policy: str
-    compression_rate: float
-    high: float
-    medium: float
-    compression_interval: int
-    score_interval: int
-    prediction_window: int
-    observation_window: int
-    sink_tokens: int
-    recent_window: int
-    attention_decay: float
-    confident_extra_rate: float
-    kv_cache_dtype: str = "auto"  # storage precision of FULL entries
-    prediction_refresh: int = 2  # compressions between full runs of the value predictor
-    value_predictor: bool = True  # dynamic: score by the predictor's future attention, when one is loaded
+    enabled: bool = True
     stats: bool = False  # the client asked for compression_metrics: keep an audit of dropped keys
-    seed: int = 0
 
     @property
     def active(self) -> bool:
-        return self.enabled and self.policy != "none"
+        return self.enabled and self.policy != NO_COMPRESSION
 
     @property
-    def fingerprint(self) -> tuple:
+    def fingerprint(self) -> str:
         """What a cached KV state depends on: reuse it only under the same settings."""
         if not self.active:
-            return ("none", self.kv_cache_dtype)
-        return astuple(replace(self, stats=False))
+            return f"none/{self.kv_cache_dtype}"
+        return self.model_dump_json(exclude={"stats"})
+
+    def scorer(self) -> ScorePolicy:
+        """This request's policy with its options (a request that does not compress is only observed)."""
+        name = self.policy if self.active else "h2o"
+        return make_policy(name, self.policy_options.get(name))
+
+
+def _optional(field: FieldInfo) -> tuple[Any, FieldInfo]:
+    optional = FieldInfo.merge_field_infos(field, default=None)
+    optional.default_factory = None
+    return field.annotation | None, optional
+
+
+CompressionOptions = create_model(
+    "CompressionOptions",
+    __config__=ConfigDict(extra="forbid", populate_by_name=True),
+    __doc__="Per-request compression settings; anything left out comes from the server's config.",
+    enabled=(bool | None, Field(None, description="false serves this request uncompressed")),
+    **{name: _optional(field) for name, field in CompressionSettings.model_fields.items()},
+)
+
+
+class InvalidCompression(ValueError):
+    """A request's compression settings, laid over the config, are not valid; `errors` name the fields."""
+
+    def __init__(self, error: ValidationError) -> None:
+        self.errors = error.errors(include_url=False)
+        super().__init__("; ".join(f"{field}: {e['msg']}" for field, e in zip(self.fields, self.errors, strict=True)))
+
+    @property
+    def fields(self) -> list[str]:
+        return [".".join(("compression", *map(str, e["loc"]))) for e in self.errors]
 
 
 def resolve(config: CompressionConfig, request: dict | None, server_enabled: bool, stats: bool) -> CompressionParams:
-    """Request values over config values; `--compression-enabled false` turns everything off."""
-    request = request or {}
-    thresholds = request.get("thresholds") or {}
-    enabled = server_enabled and request.get("enabled", True) is not False
-    policy = request.get("policy") or config.policy
-    # Storage precision: the request's own choice, else the config's for requests that compress;
-    # a request that does not compress keeps the model's dtype.
-    storage = request.get("kv_cache_dtype") or (config.kv_cache_dtype if policy != "none" else "auto")
-    return CompressionParams(
-        enabled=enabled,
-        policy=policy,
-        compression_rate=_first(request.get("compression_rate"), config.compression_rate),
-        high=_first(thresholds.get("high"), config.confidence_thresholds.high),
-        medium=_first(thresholds.get("medium"), config.confidence_thresholds.medium),
-        compression_interval=request.get("compression_interval") or config.compression_interval,
-        score_interval=config.score_interval,
-        prediction_window=request.get("prediction_window") or config.prediction_window,
-        observation_window=config.observation_window,
-        sink_tokens=config.sink_tokens,
-        recent_window=config.recent_window,
-        attention_decay=config.attention_decay,
-        confident_extra_rate=config.confident_extra_rate,
-        prediction_refresh=config.prediction_refresh,
-        kv_cache_dtype=storage if enabled else "auto",
-        value_predictor=request.get("value_predictor") is not False,
-        stats=stats,
-        seed=config.seed,
-    )
-
-
-def _first(value, default):
-    return default if value is None else value
+    """Request values over config values (`policy_options` and `thresholds` merged key by key);
+    `--compression-enabled false` turns everything off. Raises `InvalidCompression`."""
+    try:
+        request = CompressionOptions.model_validate(request or {}).model_dump(exclude_unset=True, exclude_none=True)
+    except ValidationError as error:
+        raise InvalidCompression(error) from None
+    enabled = server_enabled and request.pop("enabled", True)
+    merged = config.model_dump()
+    for key, value in request.items():
+        if key == "policy_options":
+            value = {name: {**merged[key].get(name, {}), **options} for name, options in value.items()}
+        merged[key] = {**merged[key], **value} if isinstance(value, dict) else value
+    # Storage precision: the request's own choice, else the config's for requests that compress; a
+    # request that does not compress (or is turned off) keeps the model's dtype.
+    if not enabled or ("kv_cache_dtype" not in request and merged["policy"] == NO_COMPRESSION):
+        merged["kv_cache_dtype"] = "auto"
+    try:
+        return CompressionParams.model_validate({**merged, "enabled": enabled, "stats": stats})
+    except ValidationError as error:
+        raise InvalidCompression(error) from None
 
 
 _UNITS = {"": 2**20, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

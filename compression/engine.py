@@ -23,7 +23,7 @@ from compression.kv_store import Keep, KVStore
 from compression.policy import plan_tiers
 from compression.predictor.misses import Dropped
 from compression.predictor.online import Forecast, FutureValue, PredictionJob
-from compression.scoring import LayerEntries, ScorePolicy, make_policy
+from compression.scoring import LayerEntries, ScorePolicy
 
 
 class TrackedSequence(Protocol):
@@ -112,8 +112,7 @@ class CompressionEngine:
 
     # ----- lifecycle ---------------------------------------------------------------------
     def register(self, seq_id: int, params: CompressionParams, prompt_len: int) -> None:
-        policy = make_policy(params.policy if params.active else "h2o", params.attention_decay)
-        self.states[seq_id] = SequenceState(params, policy, prompt_len)
+        self.states[seq_id] = SequenceState(params, params.scorer(), prompt_len)
 
     def preempted(self, seq_id: int) -> None:
         state = self.states.get(seq_id)
@@ -283,18 +282,14 @@ class CompressionEngine:
 
     # ----- the compression itself ---------------------------------------------------------
     def target_rate(self, state: SequenceState) -> float:
-        """The rate to apply now: the request's (or the pressure's, if higher), raised while the
-        model is confident (dynamic only)."""
+        """The rate to apply now: the request's (or the pressure's, if higher), as the policy adjusts
+        it to the model's recent confidence."""
         params = state.params
         rate = max(params.compression_rate, state.pressure_rate)
-        if params.policy != "dynamic" or not state.confidences:
-            return rate
-        recent = state.confidences[-params.compression_interval :]
-        confident = min(1.0, max(0.0, (sum(recent) / len(recent) - 0.5) / 0.5))
-        return rate + params.confident_extra_rate * (1.0 - rate) * confident
+        return state.policy.target_rate(rate, state.confidences[-params.compression_interval :])
 
     def _uses_predictor(self, state: SequenceState) -> bool:
-        return self.future_value is not None and state.params.value_predictor and state.policy.name == "dynamic"
+        return self.future_value is not None and state.params.value_predictor and state.policy.uses_predictor
 
     def _logs_misses(self, state: SequenceState) -> bool:
         return self._uses_predictor(state) and self.future_value.misses is not None
@@ -357,8 +352,8 @@ class CompressionEngine:
                 budget,
                 full_bytes,
                 key_only_bytes,
-                params.high,
-                params.medium,
+                params.thresholds.high,
+                params.thresholds.medium,
                 state.policy.uses_tiers,
             )
             if plan.dropped.numel() == 0 and plan.keep_key_only.numel() == kv.num_key_only:

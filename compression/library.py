@@ -71,7 +71,8 @@ class DynamicKVCompressor(Cache):
         """`max_cache_size`: MB (as in the seeds), or '2GiB', or '80%' of device memory.
         `future_value`: the value predictor for the `dynamic` policy (`load_future_value`); without it,
         dynamic scores by observed attention only. Other options (`compression_interval`,
-        `thresholds={...}`, `kv_cache_dtype`, ...) are those of a request's `compression` object; the rest
+        `thresholds={...}`, `kv_cache_dtype`, `policy_options={...}`) are those of a request's
+        `compression` object, and anything else is refused (`InvalidCompression` names it); the rest
         comes from `config` (default: config/compression.json)."""
         super().__init__(layers=[])
         self.config = config or CompressionConfig.load()

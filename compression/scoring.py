@@ -1,16 +1,24 @@
 """Scoring policies: each says how much every cached entry of one layer is worth keeping.
 
 In the manner of kvpress, a policy is a small dataclass with one `score()` method (higher means
-keep) and, where it uses observed attention, an `accumulate()` rule for new observations. The
-engine does the rest: observing attention, turning scores into tiers under the budget, compacting.
+keep) and, where it uses observed attention, an `accumulate()` rule for new observations. Its
+parameters are its fields; what the engine must do for it (observe attention, read keys, run the
+value predictor, allow KEY_ONLY) are class properties. The engine does the rest: observing
+attention, turning scores into tiers under the budget, compacting.
+
+A subclass that sets `name` is registered: that name is what requests and config files accept
+(`policy`), and its fields are the options they may set (`policy_options: {name: {...}}`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from functools import cache
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+from pydantic import TypeAdapter
 
 
 @dataclass
@@ -27,21 +35,35 @@ class LayerEntries:
     predicted: torch.Tensor | None = None  # [n] the value predictor's future attention, when it ran
 
 
+POLICIES: dict[str, type[ScorePolicy]] = {}  # name -> policy class, filled as subclasses are defined
+NO_COMPRESSION = "none"  # the policy name that turns compression off for a request
+
+
 @dataclass
 class ScorePolicy:
     """Base: eviction only (an entry is kept FULL or dropped), attention summed over observations."""
 
-    name = "base"
-    uses_tiers = False  # may the policy keep entries as KEY_ONLY?
-    uses_attention = True  # does it need attention observations?
-    uses_keys = False  # does it read the keys (dequantised at quantised storage)?
-    observation_window: int | None = None  # prompt queries observed at the end of prefill (None: the config's)
+    name: ClassVar[str]
+    uses_tiers: ClassVar[bool] = False  # may the policy keep entries as KEY_ONLY?
+    uses_attention: ClassVar[bool] = True  # does it need attention observations?
+    uses_keys: ClassVar[bool] = False  # does it read the keys (dequantised at quantised storage)?
+    uses_predictor: ClassVar[bool] = False  # does it score by the value predictor's forecast, when one is loaded?
+    observation_window: ClassVar[int | None] = None  # prompt queries observed at the end of prefill (None: config)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            POLICIES[cls.name] = cls
 
     def accumulate(self, previous: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
         return previous + observed
 
     def score(self, entries: LayerEntries) -> torch.Tensor:
         raise NotImplementedError
+
+    def target_rate(self, rate: float, recent_confidence: list[float]) -> float:
+        """The rate to compress at now, given the request's and the model's recent top-token probabilities."""
+        return rate
 
 
 @dataclass
@@ -128,9 +150,11 @@ class Dynamic(ScorePolicy):
 
     name = "dynamic"
     uses_tiers = True
-    decay: float = 0.95
+    uses_predictor = True
+    decay: float = 0.95  # per observation
     kernel_size: int = 3
     doubt_weight: float = 0.5
+    confident_extra_rate: float = 0.1  # share of the remaining bytes also removed while the model is confident
 
     def accumulate(self, previous: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
         return self.decay * previous + observed
@@ -140,6 +164,14 @@ class Dynamic(ScorePolicy):
         pooled = _pool(value, self.kernel_size, "max")
         return pooled * (1.0 + self.doubt_weight * (1.0 - entries.token_confidence))
 
+    def target_rate(self, rate: float, recent_confidence: list[float]) -> float:
+        """Confident (mean top-token probability above 0.5), remove up to `confident_extra_rate` of
+        what the rate leaves; unsure, keep all the rate allows."""
+        if not recent_confidence:
+            return rate
+        confident = min(1.0, max(0.0, (sum(recent_confidence) / len(recent_confidence) - 0.5) / 0.5))
+        return rate + self.confident_extra_rate * (1.0 - rate) * confident
+
 
 def _pool(x: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
     if x.numel() < kernel:
@@ -148,17 +180,23 @@ def _pool(x: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
     return pool(x.view(1, 1, -1), kernel, stride=1, padding=kernel // 2).view(-1)[: x.numel()]
 
 
-def make_policy(name: str, attention_decay: float = 0.95) -> ScorePolicy:
-    policies = {
-        "streaming_llm": StreamingLLM,
-        "h2o": H2O,
-        "tova": TOVA,
-        "snapkv": SnapKV,
-        "knorm": KNorm,
-        "random": Random,
-    }
-    if name == "dynamic":
-        return Dynamic(decay=attention_decay)
-    if name not in policies:
-        raise ValueError(f"unknown policy {name!r}")
-    return policies[name]()
+def make_policy(name: str, options: dict[str, Any] | None = None) -> ScorePolicy:
+    """The registered policy `name` with `options` over its defaults; unknown names or options raise."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}: use one of {', '.join(policy_names())}")
+    known = [f.name for f in fields(POLICIES[name])]
+    unknown = sorted(set(options or {}) - set(known))
+    if unknown:
+        takes = ", ".join(known) if known else "none"
+        raise ValueError(f"policy {name!r} has no option {', '.join(map(repr, unknown))} (its options: {takes})")
+    return _adapter(POLICIES[name]).validate_python(options or {})  # checks the options' types
+
+
+@cache
+def _adapter(policy: type[ScorePolicy]) -> TypeAdapter:
+    return TypeAdapter(policy)
+
+
+def policy_names() -> tuple[str, ...]:
+    """What `policy` accepts: `none` (no compression) and every registered policy."""
+    return (NO_COMPRESSION, *POLICIES)

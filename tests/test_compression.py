@@ -10,13 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.engine import run_to_completion
-from compression.config import POLICIES, CompressionConfig, resolve
+from compression.config import CompressionConfig, resolve
 from compression.kv_store import BLOCK_SIZE, Keep, KVStore
 from compression.policy import plan_tiers
 from compression.quant import dequantize, quantize
+from compression.scoring import POLICIES
 from tests.helpers import fill_store, greedy, make_engine, tiny_model, tokens_of
 
-EVICTING = [p for p in POLICIES if p != "none"]
+EVICTING = list(POLICIES)
 SETTINGS = {"sink_tokens": 4, "recent_window": 16, "compression_interval": 8, "score_interval": 2}
 
 
@@ -247,6 +248,6 @@ def test_dynamic_budget_compresses_harder_only_while_confident():
     dynamic.confidences = [0.3] * 16  # unsure: keep all the rate allows
     assert engine.target_rate(dynamic) == 0.6
     dynamic.confidences = [0.99] * 16  # sure: remove part of what is left too, never less than the rate
-    assert 0.6 < engine.target_rate(dynamic) <= 0.6 + config.confident_extra_rate * 0.4
+    assert 0.6 < engine.target_rate(dynamic) <= 0.6 + dynamic.policy.confident_extra_rate * 0.4
     baseline.confidences = [0.99] * 16
     assert engine.target_rate(baseline) == 0.6

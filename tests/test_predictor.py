@@ -214,6 +214,7 @@ def test_dropped_entries_that_draw_attention_are_logged_for_training(tokenizer, 
 
 def test_the_library_compressor_ranks_by_the_predictor_it_is_given(tokenizer):
     from compression import DynamicKVCompressor
+    from compression.config import CompressionConfig
     from compression.predictor.online import FutureValue
 
     model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
@@ -224,8 +225,8 @@ def test_the_library_compressor_ranks_by_the_predictor_it_is_given(tokenizer):
         future_value=FutureValue(predictor, 2),
         compression_rate=0.8,
         compression_interval=8,
-        recent_window=16,
         kv_cache_dtype="auto",
+        config=CompressionConfig(recent_window=16),  # a server setting: a request cannot choose it
     )
     compressor.generate(model, ids, max_new_tokens=24, do_sample=False, eos_token_id=None)
     assert predictor.batches  # consulted

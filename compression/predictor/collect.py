@@ -27,6 +27,7 @@ from app.sequence import SamplingParams
 from compression.config import CompressionConfig, resolve
 from compression.predictor.features import target, window_features
 from compression.predictor.model import PredictorConfig
+from compression.scoring import make_policy
 
 SAMPLE_TENSORS = ("windows", "targets", "accumulated", "groups", "at_prefill")
 
@@ -108,7 +109,7 @@ def samples(
     share a group: scorers are compared by what they keep within it) and `at_prefill` [n] (the
     observation is the end of prefill, where the largest share of entries is dropped).
 
-    `every` is the serving engine's score_interval and `decay` its attention_decay; a sample is
+    `every` is the serving engine's score_interval and `decay` the dynamic policy's; a sample is
     taken at every `stride`-th observation, for `per_step` random entries of the layer.
     """
     steps, window = config.observation_steps, config.prediction_window
@@ -207,12 +208,11 @@ def main() -> None:
         prompts.append(ids)
     recording = serving.model_copy(update={"score_interval": 1, "compression_interval": 10**6})
     engine = LLMEngine(model, tokenizer, EngineConfig(max_cache_bytes=2**32, max_num_seqs=8), recording)
+    decay = make_policy("dynamic", serving.policy_options.get("dynamic")).decay
     rng = random.Random(0)
     args.out.mkdir(parents=True, exist_ok=True)
     for i, rec in enumerate(record(engine, prompts, args.max_tokens)):
-        tensors = samples(
-            rec, config, serving.score_interval, serving.attention_decay, args.stride, args.entries_per_step, rng
-        )
+        tensors = samples(rec, config, serving.score_interval, decay, args.stride, args.entries_per_step, rng)
         save_file(tensors, str(args.out / f"trace-{i:03d}.safetensors"))
 
 

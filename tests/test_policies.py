@@ -1,0 +1,121 @@
+"""Policies plug in like kvpress presses, and every compression setting is declared once: the
+config file, requests and the library accept the same names and refuse the same mistakes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from app.engine import run_to_completion
+from compression import DynamicKVCompressor
+from compression.config import CompressionConfig, CompressionOptions, InvalidCompression, resolve
+from compression.scoring import POLICIES, LayerEntries, ScorePolicy, make_policy
+from tests.helpers import greedy, make_engine, tiny_model
+
+SETTINGS = {"sink_tokens": 4, "recent_window": 16, "compression_interval": 8, "score_interval": 2}
+
+
+@pytest.fixture
+def oldest_first() -> Iterator[type[ScorePolicy]]:
+    """A policy of one class, written the way a user would add one."""
+
+    @dataclass
+    class OldestFirst(ScorePolicy):
+        name = "test_oldest_first"
+        uses_attention = False
+        skip: int = 0  # an option: entries at positions below it score lowest
+
+        def score(self, entries: LayerEntries) -> torch.Tensor:
+            score = -entries.positions.float()
+            return torch.where(entries.positions < self.skip, score.min() - 1, score)
+
+    yield OldestFirst
+    del POLICIES[OldestFirst.name]
+
+
+def test_a_policy_of_one_class_is_accepted_by_name_and_decides_what_is_kept(tokenizer, oldest_first):
+    model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    engine = make_engine(model, tokenizer, compression=SETTINGS)
+    request = {"policy": "test_oldest_first", "compression_rate": 0.8, "kv_cache_dtype": "auto"}
+    request["policy_options"] = {"test_oldest_first": {"skip": 10}}
+    assert CompressionOptions.model_validate(request).policy == "test_oldest_first"  # the request schema knows it
+    params = resolve(engine.compression_config, request, True, False)
+    assert params.scorer() == oldest_first(skip=10)
+    ids = [int(t) for t in torch.randint(3, len(tokenizer), (300,), generator=torch.Generator().manual_seed(0))]
+    engine.add_request("r", ids, greedy(16, ignore_eos=True), params)
+    seen = []
+    compress = engine.compression.compress
+
+    def held_after_compress(seq_id, num_tokens, *args):
+        compress(seq_id, num_tokens, *args)
+        kv = engine.store.layer(seq_id, 0)
+        seen.append((num_tokens, kv.positions[: kv.length].sort().values.tolist()))
+
+    engine.compression.compress = held_after_compress
+    out = run_to_completion(engine)["r"]
+    assert out[-1].finished and seen
+    num_tokens, held = seen[0]
+    middle = [p for p in held if 4 <= p < num_tokens - 16]
+    assert middle and middle == list(range(10, 10 + len(middle)))  # the oldest past `skip`, as the policy says
+
+
+def test_policy_options_are_the_policy_fields_and_unknown_ones_are_refused():
+    assert make_policy("snapkv", {"kernel_size": 7}).kernel_size == 7
+    assert make_policy("dynamic", {"decay": 0.5}).decay == 0.5
+    with pytest.raises(ValueError, match="'kernel'.*kernel_size"):
+        make_policy("snapkv", {"kernel": 7})
+    with pytest.raises(ValueError, match="unknown policy 'magic'"):
+        make_policy("magic")
+    with pytest.raises(ValueError, match="kernel_size"):
+        make_policy("snapkv", {"kernel_size": "wide"})
+
+
+@pytest.mark.parametrize(
+    ("request_body", "field"),
+    [
+        ({"recent_window": 16}, "compression.recent_window"),  # a server setting, not a request's
+        ({"policy_options": {"snapkv": {"kernel": 7}}}, "compression.policy_options"),
+        ({"policy_options": {"magic": {}}}, "compression.policy_options"),
+        ({"policy": "magic"}, "compression.policy"),
+        ({"thresholds": {"high": 0.5}}, "compression.thresholds"),
+    ],
+)
+def test_resolve_names_the_field_it_refuses(request_body, field):
+    with pytest.raises(InvalidCompression) as refused:
+        resolve(CompressionConfig(), request_body, True, False)
+    assert refused.value.fields == [field]
+
+
+def test_a_request_is_laid_over_the_config_key_by_key_and_checked_again():
+    config = CompressionConfig(
+        thresholds={"high": 0.8, "medium": 0.5}, policy_options={"dynamic": {"decay": 0.9, "kernel_size": 5}}
+    )
+    params = resolve(config, {"thresholds": {"high": 0.95}, "policy_options": {"dynamic": {"decay": 0.5}}}, True, False)
+    assert (params.thresholds.high, params.thresholds.medium) == (0.95, 0.5)
+    assert params.scorer() == make_policy("dynamic", {"decay": 0.5, "kernel_size": 5})
+    # Valid alone (the default medium is 0.7), not over this config's medium of 0.5.
+    with pytest.raises(InvalidCompression) as refused:
+        resolve(config, {"thresholds": {"low": 0.6}}, True, False)
+    assert refused.value.fields == ["compression.thresholds"]
+
+
+def test_the_seed_config_with_its_low_threshold_is_accepted():
+    seed = {"confidence_thresholds": {"high": 0.9, "medium": 0.7, "low": 0.5}, "policy": "dynamic"}
+    config = CompressionConfig.model_validate(seed)
+    assert (config.thresholds.high, config.thresholds.medium, config.thresholds.drop_line) == (0.9, 0.7, 0.5)
+    assert CompressionConfig().thresholds.drop_line == 0.7  # without low, medium is the drop line
+    with pytest.raises(ValueError, match="bogus"):
+        CompressionConfig.model_validate({"bogus": 1})
+
+
+def test_the_library_refuses_options_it_does_not_know():
+    with pytest.raises(InvalidCompression) as refused:
+        DynamicKVCompressor(max_cache_size=64, recent_window=16)
+    assert refused.value.fields == ["compression.recent_window"]
+    with pytest.raises(InvalidCompression):
+        DynamicKVCompressor(max_cache_size=64, policy_options={"dynamic": {"decy": 0.5}})
+    compressor = DynamicKVCompressor(max_cache_size=64, policy_options={"dynamic": {"decay": 0.5}})
+    assert compressor.params.scorer().decay == 0.5
