@@ -4,7 +4,12 @@ Three tasks, all generated from text that ships with Python (benchmarks/tasks.py
 - needle in natural text, 1k, 2k and 3k tokens: accuracy relative to the uncompressed cache;
 - generation fidelity: greedy summaries, ROUGE-L and BLEU against the uncompressed summaries;
 - perplexity of a 2k-token text: the first 1.5k prefilled, the last 512 teacher-forced one token at a
-  time, compressed as decoding proceeds (every 128 tokens, to the same fraction of every token seen so far).
+  time, compressed as decoding proceeds (every 128 tokens, to the same fraction of every token seen so far);
+- teacher-forced fidelity, the primary fidelity figure: every needle and summary case's uncompressed answer
+  is forced through the compressed cache, compression running between the forced steps as in serving
+  (every `compression_interval`), and each step's next-token distribution is compared with the
+  uncompressed cache's: top-1 agreement and mean KL(uncompressed || compressed) per token. Unlike greedy
+  ROUGE-L it does not flip on a near-tie, since one different token never changes what follows.
 Memory kept is measured for our setups (compressed bytes / uncompressed bytes, KEY_ONLY's int4 values
 and int8 storage counted as stored); for kvpress it is its `compression_ratio` (1 - ratio of fp32 entries).
 Uniform int8 and int4 quantisation of every key and value run as their own rows at their own bytes.
@@ -82,6 +87,8 @@ class Row:
     perplexity: float = 0.0
     memory_kept: float = 0.0  # needle and fidelity cases, mean
     perplexity_memory_kept: float = 0.0  # at the end of the perplexity text
+    forced_top1: float = 0.0  # teacher-forced answers: share of steps whose top token is the uncompressed one
+    forced_kl: float = 0.0  # teacher-forced answers: mean KL(uncompressed || compressed) per token, nats
     seconds: float = 0.0
     outputs: dict[str, str] = field(default_factory=dict)
 
@@ -93,6 +100,8 @@ class Tasks:
     prompts: dict[str, list[int]]
     max_tokens: dict[str, int]
     perplexity_ids: list[int]
+    answers: dict[str, list[int]] = field(default_factory=dict)  # the uncompressed greedy answers
+    reference: dict[str, torch.Tensor] = field(default_factory=dict)  # their uncompressed log-probs, forced
 
     @property
     def perplexity_prefill(self) -> int:
@@ -143,8 +152,9 @@ def request_of(setup: Setup, interval: int | None = None) -> dict:
 
 def run_setup(
     model, tokenizer, setup: Setup, tasks: Tasks, future_value: FutureValue | None
-) -> tuple[dict[str, str], list[dict], float]:
-    """Greedy outputs of every needle and summary case, batched through the engine, and their metrics."""
+) -> tuple[dict[str, str], dict[str, list[int]], list[dict], float]:
+    """Greedy outputs (text and tokens) of every needle and summary case, batched through the engine,
+    and their metrics."""
     config = CompressionConfig()
     engine = LLMEngine(
         model,
@@ -157,6 +167,7 @@ def run_setup(
     for name, ids in tasks.prompts.items():
         engine.add_request(name, ids, SamplingParams(max_tokens=tasks.max_tokens[name], temperature=0.0), params)
     texts = {name: "" for name in tasks.prompts}
+    tokens: dict[str, list[int]] = {name: [] for name in tasks.prompts}
     metrics: list[dict] = []
     started = time.perf_counter()
     label = f"{setup.label} @ {setup.rate}" if setup.rate else setup.label
@@ -164,31 +175,56 @@ def run_setup(
         while engine.has_unfinished():
             for out in engine.step():
                 texts[out.request_id] += out.delta_text
+                tokens[out.request_id] += out.new_token_ids
                 if out.finished:
                     metrics.append(out.compression_metrics)
                     bar.update(1)
-    return texts, metrics, time.perf_counter() - started
+    return texts, tokens, metrics, time.perf_counter() - started
 
 
 @torch.inference_mode()
-def perplexity(
-    model, ids: list[int], prefill: int, setup: Setup, future_value: FutureValue | None
-) -> tuple[float, float]:
-    """exp(mean NLL) of ids[prefill:], teacher-forced one token at a time through the compressed cache,
-    and the memory kept at the end."""
-    request = request_of(setup, PPL_INTERVAL)
+def forced(
+    model, ids: list[int], prefill: int, request: dict, future_value: FutureValue | None, progress: bool = False
+) -> tuple[torch.Tensor, float]:
+    """Log-probs [len(ids) - prefill, vocab] of the next token at each of ids[prefill:], the prefix
+    prefilled and the rest teacher-forced one token at a time through the compressed cache (which
+    compresses between the forced steps as in serving), and the memory kept at the end."""
     compressor = DynamicKVCompressor(max_cache_size="8GiB", future_value=future_value, **request)
     tokens = torch.tensor([ids])
-    nll = 0.0
+    steps = []
     with compressor.attached(model):
         logits = model(input_ids=tokens[:, :prefill], cache=compressor).logits[:, -1]
-        for pos in tqdm(range(prefill, len(ids)), desc="perplexity", unit="tok", leave=False):
-            nll -= torch.log_softmax(logits[0].float(), -1)[ids[pos]].item()
+        for pos in tqdm(range(prefill, len(ids)), desc="forced", unit="tok", leave=False, disable=not progress):
+            steps.append(torch.log_softmax(logits[0].float(), -1))
             if pos + 1 < len(ids):
                 compressor(tokens[:, : pos + 1], logits)  # the model's confidence, as generate would report
                 logits = model(input_ids=tokens[:, pos : pos + 1], cache=compressor).logits[:, -1]
         kept = compressor.metrics().compression_ratio
-    return math.exp(nll / (len(ids) - prefill)), kept
+    return torch.stack(steps), kept
+
+
+def perplexity(
+    model, ids: list[int], prefill: int, setup: Setup, future_value: FutureValue | None
+) -> tuple[float, float]:
+    """exp(mean NLL) of ids[prefill:], teacher-forced through the compressed cache, and the memory kept."""
+    logprobs, kept = forced(model, ids, prefill, request_of(setup, PPL_INTERVAL), future_value, progress=True)
+    nll = -logprobs.gather(1, torch.tensor(ids[prefill:]).view(-1, 1)).mean()
+    return math.exp(float(nll)), kept
+
+
+def teacher_forced_fidelity(model, setup: Setup, tasks: Tasks, future_value: FutureValue | None) -> tuple[float, float]:
+    """Every case's uncompressed answer forced through this setup's cache: the share of steps whose top
+    token is the uncompressed cache's, and the mean KL(uncompressed || compressed) per token. The
+    uncompressed setup (the first) records the reference as it runs."""
+    agree, divergence, steps = 0, 0.0, 0
+    for name, answer in tqdm(tasks.answers.items(), desc="teacher-forced", unit="case", leave=False):
+        prompt = tasks.prompts[name]
+        logprobs, _ = forced(model, prompt + answer, len(prompt), request_of(setup), future_value)
+        reference = tasks.reference.setdefault(name, logprobs)
+        agree += int((logprobs.argmax(-1) == reference.argmax(-1)).sum())
+        divergence += float((reference.exp() * (reference - logprobs)).sum())
+        steps += len(answer)
+    return agree / steps, divergence / steps
 
 
 def score(row: Row, texts: dict[str, str], reference: Row | None, tasks: Tasks) -> None:
@@ -304,13 +340,16 @@ def main() -> None:
 def run_ours(args, model, tokenizer, tasks: Tasks, future_value: FutureValue | None) -> list[Row]:
     rows: list[Row] = []
     for setup in tqdm(setups(args.rates, tuple(args.policies)), desc="our setups", unit="setup"):
-        texts, metrics, seconds = run_setup(model, tokenizer, setup, tasks, future_value)
+        texts, tokens, metrics, seconds = run_setup(model, tokenizer, setup, tasks, future_value)
         row = Row(setup, seconds=seconds)
         score(row, texts, rows[0] if rows else None, tasks)
         row.memory_kept = statistics.mean(m["compression_ratio"] for m in metrics)
         row.perplexity, row.perplexity_memory_kept = perplexity(
             model, tasks.perplexity_ids, tasks.perplexity_prefill, setup, future_value
         )
+        if not rows:  # the uncompressed setup: its answers are what the others are forced through
+            tasks.answers = {name: ids for name, ids in tokens.items() if ids}
+        row.forced_top1, row.forced_kl = teacher_forced_fidelity(model, setup, tasks, future_value)
         rows.append(row)
         _log(row)
     return rows
@@ -352,13 +391,25 @@ def read_peers(paths: list[Path]) -> list[tuple[Setup, dict]]:
 def _log(row: Row) -> None:
     tqdm.write(
         f"{row.setup.label:32s} rate {row.setup.rate:.2f}  memory {row.memory_kept:.3f}  "
-        f"needle {row.needle_relative:.2f}  ROUGE-L {row.rouge_l:.3f}  BLEU {row.bleu:.3f}  "
-        f"perplexity {row.perplexity:.2f}  ({row.seconds:.0f}s)"
+        f"needle {row.needle_relative:.2f}  top-1 {row.forced_top1:.3f}  KL {row.forced_kl:.4f}  "
+        f"ROUGE-L {row.rouge_l:.3f}  BLEU {row.bleu:.3f}  perplexity {row.perplexity:.2f}  ({row.seconds:.0f}s)"
     )
 
 
 TASKS = {  # name: (title, column header, how a row gives its score, higher is better)
     "needle": ("Needle in natural text, accuracy relative to uncompressed", "needle", "needle_relative", True),
+    "forced_top1": (
+        "Teacher-forced fidelity: top-1 agreement with the uncompressed cache on its own answers",
+        "top-1 agreement",
+        "forced_top1",
+        True,
+    ),
+    "forced_kl": (
+        "Teacher-forced fidelity: mean KL(uncompressed || compressed) per token, nats",
+        "KL",
+        "forced_kl",
+        False,
+    ),
     "rouge_l": ("Generation fidelity, ROUGE-L against the uncompressed output", "ROUGE-L", "rouge_l", True),
     "bleu": ("Generation fidelity, BLEU against the uncompressed output", "BLEU", "bleu", True),
     "perplexity": ("Perplexity, teacher-forced, compressed as decoding proceeds", "perplexity", "perplexity", False),
@@ -375,7 +426,9 @@ def report(rows: list[Row], args, tasks: Tasks) -> None:
         f"compressed every {PPL_INTERVAL}); default model, fp32, {_threads(args)}. "
         "Each cell: score (memory kept). "
         "Memory kept is measured for ours (compressed / uncompressed bytes), 1 - compression_ratio for kvpress. "
-        "Needle and fidelity scores are against each library's own uncompressed run.",
+        "Needle and fidelity scores are against each library's own uncompressed run. Teacher-forced fidelity "
+        f"({sum(map(len, tasks.answers.values()))} forced tokens over {len(tasks.answers)} cases) is measured "
+        "for ours only.",
     ]
     labels = list(dict.fromkeys(r.setup.label for r in rows))
     for key, (title, _, attr, _) in TASKS.items():
@@ -401,6 +454,9 @@ def report(rows: list[Row], args, tasks: Tasks) -> None:
         plot(rows, key, args.out.with_name(f"{args.out.name}_{key}.png"))
 
 
+FORCED = ("forced_top1", "forced_kl")  # measured for our setups only
+
+
 def _threads(args) -> str:
     if args.peers:
         return f"{args.threads} CPU threads shared by our setups and kvpress's, which run at the same time"
@@ -408,8 +464,11 @@ def _threads(args) -> str:
 
 
 def _cell(row: Row, attr: str) -> str:
+    if attr in FORCED and row.setup.source != "ours":
+        return "-"
     value = getattr(row, attr)
     shown = f"{value:.2f}" if attr == "perplexity" else f"{value:.0%}" if attr == "needle_relative" else f"{value:.3f}"
+    shown = f"{value:.4f}" if attr == "forced_kl" else shown
     return f"{shown} ({_memory(row, attr):.2f})"
 
 
@@ -425,13 +484,13 @@ def plot(rows: list[Row], key: str, path: Path) -> None:
 
     title, header, attr, higher = TASKS[key]
     fig, ax = plt.subplots(figsize=(8, 5))
-    for label in dict.fromkeys(r.setup.label for r in rows):
+    for label in dict.fromkeys(r.setup.label for r in rows if attr not in FORCED or r.setup.source == "ours"):
         points = sorted((_memory(r, attr), getattr(r, attr)) for r in rows if r.setup.label == label)
         xs, ys = zip(*points, strict=True)
         ours = next(r for r in rows if r.setup.label == label).setup.source == "ours"
         style = ("o-" if ours else "x--") if len(points) > 1 else "s"
         ax.plot(xs, ys, style, label=label, linewidth=2.5 if label.startswith("dynamic") else 1.0)
-    if not higher:
+    if attr == "perplexity":
         ax.set_yscale("log")
     ax.set_xlabel("memory kept (compressed / uncompressed bytes)")
     ax.set_ylabel(header + ("" if higher else " (lower is better)"))

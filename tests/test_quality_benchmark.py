@@ -33,6 +33,22 @@ def test_teacher_forced_perplexity_through_the_uncompressed_cache_is_the_models(
     assert squeezed != pytest.approx(want, rel=1e-4) and kept < 0.3
 
 
+def test_teacher_forced_fidelity_is_exact_against_itself_and_falls_with_compression(default_model, tokenizer):
+    text = " ".join(f"Item {i} is filed under box {i % 7}." for i in range(60))
+    prompt = tokenizer(text).input_ids[:400]
+    with torch.inference_mode():  # the model's own greedy answer, as the uncompressed setup gives it
+        answer = default_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, 400:]
+    tasks = Tasks([], [], {"case": prompt}, {"case": 24}, [], answers={"case": answer.tolist()})
+    uncompressed = Setup("uncompressed", "auto", "none", 0.0)
+    top1, kl = quality.teacher_forced_fidelity(default_model, uncompressed, tasks, None)
+    assert tasks.reference["case"].shape == (24, default_model.config.vocab_size)  # recorded by the first setup
+    assert top1 == 1.0 and kl == pytest.approx(0.0, abs=1e-6)
+    int4 = quality.teacher_forced_fidelity(default_model, Setup("uniform int4", "int4", "none", 0.0), tasks, None)
+    dropped = quality.teacher_forced_fidelity(default_model, Setup("h2o", "auto", "h2o", 0.9), tasks, None)
+    for top1, kl in (int4, dropped):
+        assert 0.0 <= top1 <= 1.0 and kl > 1e-4
+
+
 def _tasks() -> Tasks:
     needles = [NeedleCase(f"n{i}", [], "pelican-42", length, 0.5) for i, length in enumerate((1000, 1000, 2000, 2000))]
     summaries = [FidelityCase("s0", []), FidelityCase("s1", [])]
