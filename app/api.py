@@ -67,6 +67,8 @@ def build_engine(settings: Settings) -> LLMEngine:
         if settings.predictor_error_samples is not None:
             misses = MissLog(settings.predictor_error_samples, compression.prediction_window)
         future_value = load_future_value(path, model.config, device, compression.score_interval, misses)
+        if future_value is not None:
+            future_value.require_window(compression.prediction_window)
     engine = LLMEngine(model, tokenizer, config, compression, future_value)
     if settings.prefix_cache_warmup:
         warm_up(engine, settings)

@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from app.sequence import SamplingParams  # noqa: E402
 from benchmarks.corpus import text_of_tokens  # noqa: E402
-from benchmarks.report import save_report  # noqa: E402
+from benchmarks.report import commit_of, save_report  # noqa: E402
 from benchmarks.tasks import fidelity_cases, needle_cases  # noqa: E402
 from compression.config import CompressionConfig, resolve  # noqa: E402
 from compression.library import DynamicKVCompressor  # noqa: E402
@@ -318,6 +318,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS / "quality")
     args = parser.parse_args()
+    args.commit = commit_of()  # the code measured, before anything can change it
     if args.quick:
         args.needles, args.summaries, args.perplexity_tokens, args.rates = 3, 2, PPL_FORCED + 256, [0.6]
         args.presses = args.presses or ["SnapKV", "ExpectedAttention"]
@@ -426,6 +427,7 @@ def report(rows: list[Row], args, tasks: Tasks) -> None:
         f"compressed every {PPL_INTERVAL}); default model, fp32, {_threads(args)}. "
         "Each cell: score (memory kept). "
         "Memory kept is measured for ours (compressed / uncompressed bytes), 1 - compression_ratio for kvpress. "
+        f"Commit {args.commit}. "
         "Needle and fidelity scores are against each library's own uncompressed run. Teacher-forced fidelity "
         f"({sum(map(len, tasks.answers.values()))} forced tokens over {len(tasks.answers)} cases) is measured "
         "for ours only.",

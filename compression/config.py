@@ -73,7 +73,13 @@ class CompressionSettings(BaseModel):
     )
     compression_rate: float = Field(0.6, ge=0.0, lt=1.0, description="share of KV bytes to remove")
     thresholds: Thresholds = Field(Thresholds(), validation_alias=AliasChoices("thresholds", "confidence_thresholds"))
-    prediction_window: int = Field(128, ge=1, le=8192, description="future tokens the value predictor looks ahead")
+    prediction_window: int = Field(
+        128,
+        ge=1,
+        le=8192,
+        description="future tokens the value predictor looks ahead: the window it was trained for (a request "
+        "may only repeat it; another value is refused)",
+    )
     compression_interval: int = Field(16, ge=1, description="decode steps between compressions")
     kv_cache_dtype: StorageDtype = Field(
         "int8",
@@ -170,11 +176,15 @@ CompressionOptions = create_model(
 
 
 class InvalidCompression(ValueError):
-    """A request's compression settings, laid over the config, are not valid; `errors` name the fields."""
+    """A request's compression settings, laid over the config, are not valid; `fields` names them."""
 
-    def __init__(self, error: ValidationError) -> None:
-        self.errors = error.errors(include_url=False)
-        super().__init__("; ".join(f"{field}: {e['msg']}" for field, e in zip(self.fields, self.errors, strict=True)))
+    def __init__(self, errors: list[dict]) -> None:
+        self.errors = errors  # pydantic's shape: each with `loc` (within `compression`) and `msg`
+        super().__init__("; ".join(f"{field}: {e['msg']}" for field, e in zip(self.fields, errors, strict=True)))
+
+    @classmethod
+    def of(cls, error: ValidationError) -> InvalidCompression:
+        return cls(error.errors(include_url=False))
 
     @property
     def fields(self) -> list[str]:
@@ -187,7 +197,14 @@ def resolve(config: CompressionConfig, request: dict | None, server_enabled: boo
     try:
         request = CompressionOptions.model_validate(request or {}).model_dump(exclude_unset=True, exclude_none=True)
     except ValidationError as error:
-        raise InvalidCompression(error) from None
+        raise InvalidCompression.of(error) from None
+    window = request.get("prediction_window", config.prediction_window)
+    if window != config.prediction_window:  # the value predictor forecasts one window, fixed by its training
+        message = (
+            f"this server forecasts {config.prediction_window} tokens ahead, the window its value predictor was "
+            f"trained for; omit prediction_window or give {config.prediction_window}"
+        )
+        raise InvalidCompression([{"loc": ("prediction_window",), "msg": message}])
     enabled = server_enabled and request.pop("enabled", True)
     merged = config.model_dump()
     for key, value in request.items():
@@ -201,7 +218,7 @@ def resolve(config: CompressionConfig, request: dict | None, server_enabled: boo
     try:
         return CompressionParams.model_validate({**merged, "enabled": enabled, "stats": stats})
     except ValidationError as error:
-        raise InvalidCompression(error) from None
+        raise InvalidCompression.of(error) from None
 
 
 _UNITS = {"": 2**20, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

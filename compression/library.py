@@ -60,7 +60,7 @@ class DynamicKVCompressor(Cache):
     def __init__(
         self,
         max_cache_size: int | float | str = 4096,
-        prediction_window: int = 128,
+        prediction_window: int | None = None,
         policy: str | None = None,
         compression_rate: float | None = None,
         config: CompressionConfig | None = None,
@@ -69,6 +69,7 @@ class DynamicKVCompressor(Cache):
         **options,
     ) -> None:
         """`max_cache_size`: MB (as in the seeds), or '2GiB', or '80%' of device memory.
+        `prediction_window`: the config's (the window the predictor was trained for); another is refused.
         `future_value`: the value predictor for the `dynamic` policy (`load_future_value`); without it,
         dynamic scores by observed attention only. Other options (`compression_interval`,
         `thresholds={...}`, `kv_cache_dtype`, `policy_options={...}`) are those of a request's
@@ -83,6 +84,8 @@ class DynamicKVCompressor(Cache):
             **options,
         }
         self.params = resolve(self.config, {k: v for k, v in request.items() if v is not None}, True, stats)
+        if future_value is not None:
+            future_value.require_window(self.config.prediction_window)
         self.max_cache_size = max_cache_size
         self.future_value = future_value
         self.store: KVStore | None = None

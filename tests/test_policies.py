@@ -81,6 +81,7 @@ def test_policy_options_are_the_policy_fields_and_unknown_ones_are_refused():
         ({"policy_options": {"magic": {}}}, "compression.policy_options"),
         ({"policy": "magic"}, "compression.policy"),
         ({"thresholds": {"high": 0.5}}, "compression.thresholds"),
+        ({"prediction_window": 64}, "compression.prediction_window"),  # not the window the predictor learned
     ],
 )
 def test_resolve_names_the_field_it_refuses(request_body, field):
@@ -119,3 +120,20 @@ def test_the_library_refuses_options_it_does_not_know():
         DynamicKVCompressor(max_cache_size=64, policy_options={"dynamic": {"decy": 0.5}})
     compressor = DynamicKVCompressor(max_cache_size=64, policy_options={"dynamic": {"decay": 0.5}})
     assert compressor.params.scorer().decay == 0.5
+
+
+def test_prediction_window_is_the_predictors_or_refused():
+    from compression.predictor import PredictorConfig, ValuePredictor
+    from compression.predictor.online import FutureValue
+
+    assert resolve(CompressionConfig(), {"prediction_window": 128}, True, False).prediction_window == 128
+    future_value = FutureValue(ValuePredictor(PredictorConfig.load(prediction_window=32)), 4)
+    with pytest.raises(ValueError, match="trained to forecast 32 tokens ahead"):
+        future_value.require_window(CompressionConfig().prediction_window)
+    with pytest.raises(ValueError, match="trained to forecast 32"):
+        DynamicKVCompressor(max_cache_size=64, future_value=future_value)
+    config = CompressionConfig(prediction_window=32)
+    compressor = DynamicKVCompressor(max_cache_size=64, future_value=future_value, config=config)
+    assert compressor.params.prediction_window == 32
+    with pytest.raises(InvalidCompression, match="forecasts 32 tokens ahead"):
+        DynamicKVCompressor(max_cache_size=64, future_value=future_value, config=config, prediction_window=128)

@@ -104,7 +104,7 @@ def test_kvpress_results_come_back_as_rows_scored_against_kvpress_uncompressed(t
     assert rows[2].needle_by_length == {1000: 0.5, 2000: 1.0}
 
     out = tmp_path / "quality"
-    quality.report(rows, Namespace(threads=1, peers=True, out=out), tasks)
+    quality.report(rows, Namespace(threads=1, peers=True, out=out, commit="abc1234"), tasks)
     table = out.with_suffix(".md").read_text()
     assert "| kvpress SnapKV | 75% (0.40) |" in table  # needle: score (memory kept)
     assert "| dynamic | 9.10 (0.00) |" in table  # perplexity column
@@ -138,7 +138,8 @@ def test_saved_results_are_read_back_for_a_new_report(tmp_path):
     theirs = Row(
         Setup("kvpress SnapKV", "auto", "SnapKV", 0.6, source="kvpress"), needle_by_length={1000: 0.5, 2000: 0.0}
     )
-    quality.report([ours, theirs], Namespace(threads=1, peers=False, out=tmp_path / "quality"), _tasks())
+    args = Namespace(threads=1, peers=False, out=tmp_path / "quality", commit="abc1234")
+    quality.report([ours, theirs], args, _tasks())
     assert quality.load_rows(tmp_path / "quality.json") == [ours]  # kvpress rows are re-scored, not read
 
     def runs(*pairs):

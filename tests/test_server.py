@@ -123,6 +123,7 @@ def test_seeds_reproduce_under_concurrency(server):
         ({"prompt": "a", "compression": {"compression_rate": 1.0}}, "compression.compression_rate"),
         ({"prompt": "a", "compression": {"policy": "magic"}}, "compression.policy"),
         ({"prompt": "a", "compression": {"recent_window": 8}}, "compression.recent_window"),
+        ({"prompt": "a", "compression": {"prediction_window": 64}}, "compression.prediction_window"),
         ({"prompt": "a", "compression": {"policy_options": {"snapkv": {"kernel": 3}}}}, "compression.policy_options"),
         ({"prompt": "a", "stop": [""]}, "body"),
         ({"prompt": "a", "unknown_field": True}, "unknown_field"),

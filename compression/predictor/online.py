@@ -53,6 +53,17 @@ class FutureValue:
     def history_steps(self) -> int:
         return self.predictor.config.observation_steps
 
+    def require_window(self, prediction_window: int) -> None:
+        """Refuse settings whose `prediction_window` is not the one the predictor was trained for."""
+        trained = self.predictor.config.prediction_window
+        if prediction_window != trained:
+            raise ValueError(
+                f"prediction_window is {prediction_window} but the value predictor was trained to forecast "
+                f"{trained} tokens ahead: set prediction_window to {trained} in the compression config, or train "
+                "a predictor for that window (prediction_window in config/prediction_model.yaml, then "
+                "`make train-predictor`)"
+            )
+
     @torch.inference_mode()
     def predict(self, store: KVStore, jobs: list[PredictionJob]) -> dict[int, dict[int, Forecast]]:
         """Per sequence, by layer: the attention mass each held entry is predicted to receive.
