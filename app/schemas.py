@@ -52,6 +52,10 @@ class CompressionMetricsModel(BaseModel):
 
     original_size: int = Field(description="bytes this request's KV would hold uncompressed, at the end")
     compressed_size: int = Field(description="bytes it actually holds at the end")
+    ceiling_size: int = Field(
+        description="bytes compression_rate allowed it at the end, (1 - rate) x original_size (the rate as raised "
+        "under memory pressure); where thresholds decide, compressed_size may stay well below it"
+    )
     compression_ratio: float = Field(description="compressed_size / original_size")
     hit_rate: float = Field(description="share of prompt tokens whose KV came from the prefix cache")
     prefix_parked: Literal["prompt", "request"] | None = Field(

@@ -75,6 +75,7 @@ class Setup:
     rate: float
     value_predictor: bool = True  # dynamic: rank by the predictor (when one is loaded)
     source: str = "ours"  # or "kvpress"
+    doubt_weight: float | None = None  # dynamic: its own default, or this weight on the tokens' sampling doubt
 
 
 @dataclass
@@ -108,7 +109,7 @@ class Tasks:
         return len(self.perplexity_ids) - PPL_FORCED
 
 
-def setups(rates: list[float], labels: tuple[str, ...]) -> list[Setup]:
+def setups(rates: list[float], labels: tuple[str, ...], doubt_weights: list[float] | None = None) -> list[Setup]:
     plan = [
         Setup("uncompressed", "auto", "none", 0.0),
         Setup("uniform int8", "int8", "none", 0.0),
@@ -123,6 +124,11 @@ def setups(rates: list[float], labels: tuple[str, ...]) -> list[Setup]:
         ]
         if ATTENTION_ONLY in labels:
             plan.append(Setup(ATTENTION_ONLY, "int8", "dynamic", rate, value_predictor=False))
+        # The direction of model confidence: > 0 raises tokens sampled in doubt (dynamic's default),
+        # < 0 keeps confident tokens (seed 002's reading), 0 ignores it.
+        plan += [
+            Setup(f"dynamic, doubt_weight {w:+g}", "int8", "dynamic", rate, doubt_weight=w) for w in doubt_weights or []
+        ]
     return plan
 
 
@@ -147,6 +153,8 @@ def request_of(setup: Setup, interval: int | None = None) -> dict:
         "kv_cache_dtype": setup.storage,
         "value_predictor": setup.value_predictor,
     }
+    if setup.doubt_weight is not None:
+        request["policy_options"] = {"dynamic": {"doubt_weight": setup.doubt_weight}}
     return {**request, "compression_interval": interval} if interval else request
 
 
@@ -307,7 +315,14 @@ def main() -> None:
     parser.add_argument("--summaries", type=int, default=4)
     parser.add_argument("--perplexity-tokens", type=int, default=2048)
     parser.add_argument("--rates", type=float, nargs="+", default=[0.4, 0.6, 0.75, 0.9])
-    parser.add_argument("--policies", nargs="+", default=list(DEFAULT_ROWS), help="our rows (labels)")
+    parser.add_argument("--policies", nargs="*", default=list(DEFAULT_ROWS), help="our rows (labels)")
+    parser.add_argument(
+        "--doubt-weights",
+        type=float,
+        nargs="+",
+        default=None,
+        help="also dynamic with these doubt_weight values (the model-confidence ablation: 0.5 0 -0.5)",
+    )
     parser.add_argument("--peers", action="store_true", help="also run kvpress's presses (make bench-peers)")
     parser.add_argument("--presses", nargs="+", default=None, help="kvpress presses (default: all)")
     parser.add_argument("--ours-from", type=Path, default=None, help="our rows from a saved quality.json")
@@ -340,7 +355,7 @@ def main() -> None:
 
 def run_ours(args, model, tokenizer, tasks: Tasks, future_value: FutureValue | None) -> list[Row]:
     rows: list[Row] = []
-    for setup in tqdm(setups(args.rates, tuple(args.policies)), desc="our setups", unit="setup"):
+    for setup in tqdm(setups(args.rates, tuple(args.policies), args.doubt_weights), desc="our setups", unit="setup"):
         texts, tokens, metrics, seconds = run_setup(model, tokenizer, setup, tasks, future_value)
         row = Row(setup, seconds=seconds)
         score(row, texts, rows[0] if rows else None, tasks)

@@ -40,6 +40,7 @@ class CompressionMetrics:
 
     original_size: int
     compressed_size: int
+    ceiling_size: int
     compression_ratio: float
     hit_rate: float
     prefix_parked: str | None
@@ -65,6 +66,7 @@ class SequenceState:
     misses: dict[int, Dropped] = field(default_factory=dict)  # layer -> dropped entries the predictor ranked
     confidences: list[float] = field(default_factory=list)  # top-token probability of each generated token
     predictions: int = 0  # compressions the value predictor ran for
+    judged_until: int = 0  # entries below this position were kept by an earlier compression
 
     @property
     def observed_prompt_queries(self) -> int:
@@ -80,6 +82,7 @@ class SequenceState:
         self.audit.clear()
         self.misses.clear()
         self.predictions = 0
+        self.judged_until = 0
 
 
 class CompressionEngine:
@@ -151,6 +154,7 @@ class CompressionEngine:
             return None
         original = num_tokens * self.store.model_token_bytes
         compressed = self.store.seq_bytes(seq_id)
+        rate = max(state.params.compression_rate, state.pressure_rate) if state.params.active else 0.0
         full = key_only = 0
         if seq_id in self.store:
             for layer in range(self.store.num_layers):
@@ -161,6 +165,7 @@ class CompressionEngine:
         return CompressionMetrics(
             original_size=original,
             compressed_size=compressed,
+            ceiling_size=int((1.0 - rate) * original),
             compression_ratio=compressed / original if original else 1.0,
             hit_rate=cached_tokens / state.prompt_len if state.prompt_len else 0.0,
             prefix_parked=prefix_parked if cached_tokens else None,
@@ -303,7 +308,7 @@ class CompressionEngine:
         """Predicted future attention of every entry these sequences' compressions can change, in one batch."""
         jobs = []
         for seq, state in due:
-            layers = self._over_budget(seq.seq_id, *self._budget(seq.seq_id, seq.num_computed, state))
+            layers = self._to_compress(seq.seq_id, state, *self._budget(seq.seq_id, seq.num_computed, state))
             if layers:
                 jobs.append(self._prediction_job(seq.seq_id, seq.num_computed, state, layers))
         return self.future_value.predict(self.store, jobs) if jobs else {}
@@ -322,7 +327,7 @@ class CompressionEngine:
         params = state.params
         store = self.store
         budget, full_bytes, key_only_bytes = self._budget(seq_id, num_tokens, state)
-        layers = self._over_budget(seq_id, budget, full_bytes, key_only_bytes)
+        layers = self._to_compress(seq_id, state, budget, full_bytes, key_only_bytes)
         if not layers:
             return  # nothing to remove: attention is still observed (traces, scores for later)
         if predicted is None and self._uses_predictor(state):
@@ -345,16 +350,18 @@ class CompressionEngine:
                 layer=layer,
                 seed=params.seed,
             )
+            scores = state.policy.score(entries)
             plan = plan_tiers(
-                state.policy.score(entries),
+                scores,
                 protected,
                 kv.num_key_only,
                 budget,
                 full_bytes,
                 key_only_bytes,
-                params.thresholds.high,
-                params.thresholds.medium,
                 state.policy.uses_tiers,
+                state.policy.retention(entries, scores),
+                params.thresholds,
+                judged=positions < state.judged_until,
             )
             if plan.dropped.numel() == 0 and plan.keep_key_only.numel() == kv.num_key_only:
                 continue
@@ -364,6 +371,7 @@ class CompressionEngine:
                     known = state.misses.get(layer) or Dropped.none(predicted[layer].windows)
                     state.misses[layer] = known.add(predicted[layer].windows[plan.dropped], state.decode_steps)
             keep[layer] = Keep(full=plan.keep_full, key_only=plan.keep_key_only)
+        state.judged_until = num_tokens
         if keep:
             store.retier(seq_id, keep)
 
@@ -380,8 +388,13 @@ class CompressionEngine:
         rounding = store.block_size * (full_bytes // 2 + key_only_bytes)
         return (1.0 - rate) * num_tokens * per_token - rounding, full_bytes, key_only_bytes
 
-    def _over_budget(self, seq_id: int, budget: float, full_bytes: int, key_only_bytes: int) -> list[int]:
-        """The layers holding more than the budget: the only ones a compression changes (and scores)."""
+    def _to_compress(
+        self, seq_id: int, state: SequenceState, budget: float, full_bytes: int, key_only_bytes: int
+    ) -> list[int]:
+        """The layers a compression may change (and scores): every layer where the policy's thresholds
+        decide, else only those holding more than the budget."""
+        if state.policy.thresholds_decide:
+            return list(range(self.store.num_layers))
         held = [self.store.layer(seq_id, layer) for layer in range(self.store.num_layers)]
         return [i for i, kv in enumerate(held) if kv.num_full * full_bytes + kv.num_key_only * key_only_bytes > budget]
 

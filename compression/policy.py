@@ -1,23 +1,27 @@
-"""The threshold policy: from scores to tiers under a byte budget.
+"""From scores to tiers: the thresholds decide where the policy gives a retention confidence, and
+the byte budget (`compression_rate`) is a ceiling.
 
-Entries of one layer are ranked by score, best first. The budget decides how many can stay and
-how: first keep as many entries as the budget allows at the cheapest tier they can take (KEY_ONLY
-for a tiering policy), then spend what is left raising the best-ranked of them back to FULL. An
-entry is only ever demoted as far as the budget needs, so a budget that holds everything FULL
-changes nothing.
-
-Each entry gets a retention confidence in [0, 1] that falls with its rank and is calibrated to
-those boundaries: the entries kept FULL span (high, 1), those kept KEY_ONLY (medium, high), the
-dropped ones (0, medium). The thresholds of seed 002 (>= high FULL, >= medium KEY_ONLY, below
-dropped) then read the plan off the confidence, and the lowest-confidence entries are always the
-first demoted. Protected entries (attention sinks, the recent window) are always kept.
+Entries of one layer are ranked best first: by retention confidence when the policy gives one, else
+by score. The most each unprotected entry may keep is its limit:
+- with a confidence, the thresholds of seed 002: >= high FULL, >= medium KEY_ONLY, below dropped;
+  an entry that an earlier compression kept (`judged`) is dropped only below the drop line (`low`,
+  default medium), and between it and high it stays as KEY_ONLY. Memory then follows the content;
+- without one, FULL for every entry: the budget alone decides.
+An entry that is KEY_ONLY already never goes back to FULL. The budget then keeps as many entries as
+it holds, best-ranked first, at the cheapest tier they can take (KEY_ONLY for a tiering policy), and
+spends what is left raising the best of them to their limit. So an entry is demoted only as far as
+the budget or its own confidence needs, and the lowest-ranked go first. Protected entries
+(attention sinks, the recent window) are always kept as they are.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from compression.config import Thresholds
 
 
 @dataclass
@@ -25,7 +29,6 @@ class TierPlan:
     keep_full: torch.Tensor  # indices (key order) kept FULL
     keep_key_only: torch.Tensor  # indices kept or newly made KEY_ONLY
     dropped: torch.Tensor  # indices dropped
-    confidence: torch.Tensor  # [n] retention confidence of every entry
 
 
 def plan_tiers(
@@ -35,34 +38,46 @@ def plan_tiers(
     budget_bytes: float,
     full_bytes: int,
     key_only_bytes: int,
-    high: float,
-    medium: float,
     use_tiers: bool,
+    confidence: torch.Tensor | None = None,
+    thresholds: Thresholds | None = None,
+    judged: torch.Tensor | None = None,
 ) -> TierPlan:
+    """`confidence` [n] in [0, 1] with `thresholds` lets the thresholds decide; `judged` [n] marks the
+    entries an earlier compression kept (they keep their place down to the drop line)."""
     n = scores.numel()
     device = scores.device
     index = torch.arange(n, device=device)
     was_key_only = index < num_key_only
-    tiering = use_tiers and high > medium  # otherwise eviction only: no new KEY_ONLY entries
     cost_now = torch.where(was_key_only, key_only_bytes, full_bytes)
     remaining = max(budget_bytes - float(cost_now[protected].sum()), 0.0)
 
-    # Rank the unprotected entries, best first.
     candidates = index[~protected]
-    order = candidates[torch.argsort(scores[candidates], descending=True, stable=True)]
+    rank = scores if confidence is None else confidence
+    order = candidates[torch.argsort(rank[candidates], descending=True, stable=True)]
     ko_ranked = was_key_only[order]
-    if tiering:
-        # Keep the longest prefix the budget holds at KEY_ONLY, then raise the best to FULL.
-        kept = torch.arange(order.numel(), device=device) < int(remaining // key_only_bytes)
-        upgrades = int((remaining - key_only_bytes * int(kept.sum())) // (full_bytes - key_only_bytes))
-        full = kept & ~ko_ranked & (torch.cumsum((kept & ~ko_ranked).long(), 0) <= upgrades)
-    else:
-        kept = torch.cumsum(cost_now[order].float(), 0) <= remaining
+    may_keep = torch.ones(order.numel(), dtype=torch.bool, device=device)
+    may_full = ~ko_ranked
+    if confidence is not None:
+        thresholds = thresholds or Thresholds()
+        ranked = confidence[order]
+        line = torch.full_like(ranked, thresholds.medium)
+        if judged is not None:
+            line[judged[order]] = thresholds.drop_line
+        may_keep = ranked >= line
+        may_full = may_keep & ~ko_ranked & ((ranked >= thresholds.high) | (not use_tiers))
+
+    if use_tiers:
+        # Keep the best-ranked the budget holds at KEY_ONLY, then raise the best of them to their limit.
+        kept = may_keep & (torch.cumsum(may_keep.long(), 0) <= _fits(remaining, key_only_bytes, n))
+        left = remaining - key_only_bytes * int(kept.sum())
+        raised = kept & may_full
+        full = raised & (torch.cumsum(raised.long(), 0) <= _fits(left, full_bytes - key_only_bytes, n))
+    else:  # eviction only: a kept entry stays at its tier
+        kept = may_keep & (torch.cumsum(torch.where(may_keep, cost_now[order], 0).float(), 0) <= remaining)
         full = kept & ~ko_ranked
     key_only = kept & ~full
 
-    confidence = torch.ones(n, device=device)
-    confidence[order] = _calibrated(full, key_only, high, medium)
     keep_protected = index[protected]
     protected_full = keep_protected[~was_key_only[keep_protected]]
     protected_key_only = keep_protected[was_key_only[keep_protected]]
@@ -70,14 +85,9 @@ def plan_tiers(
         keep_full=torch.cat((protected_full, order[full])),
         keep_key_only=torch.cat((protected_key_only, order[key_only])),
         dropped=order[~kept],
-        confidence=confidence,
     )
 
 
-def _calibrated(full: torch.Tensor, key_only: torch.Tensor, high: float, medium: float) -> torch.Tensor:
-    """Confidence of ranked entries: falls linearly with rank inside each tier's open band (bottom, top)."""
-    confidence = torch.empty(full.numel(), device=full.device)
-    for members, top, bottom in ((full, 1.0, high), (key_only, high, medium), (~(full | key_only), medium, 0.0)):
-        count = int(members.sum())
-        confidence[members] = top - (top - bottom) * torch.arange(1, count + 1, device=full.device) / (count + 1)
-    return confidence
+def _fits(budget: float, cost: int, most: int) -> int:
+    """How many entries of `cost` bytes `budget` holds (at most `most`; an unlimited budget holds all)."""
+    return most if math.isinf(budget) else int(budget // cost)

@@ -48,6 +48,7 @@ class ScorePolicy:
     uses_attention: ClassVar[bool] = True  # does it need attention observations?
     uses_keys: ClassVar[bool] = False  # does it read the keys (dequantised at quantised storage)?
     uses_predictor: ClassVar[bool] = False  # does it score by the value predictor's forecast, when one is loaded?
+    thresholds_decide: ClassVar[bool] = False  # does it give a retention confidence (`retention`)?
     observation_window: ClassVar[int | None] = None  # prompt queries observed at the end of prefill (None: config)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -60,6 +61,11 @@ class ScorePolicy:
 
     def score(self, entries: LayerEntries) -> torch.Tensor:
         raise NotImplementedError
+
+    def retention(self, entries: LayerEntries, scores: torch.Tensor) -> torch.Tensor | None:
+        """Each entry's retention confidence, a probability in [0, 1] that the thresholds turn into
+        tiers (with `compression_rate` as a ceiling); None: the policy only ranks, and the rate decides."""
+        return None
 
     def target_rate(self, rate: float, recent_confidence: list[float]) -> float:
         """The rate to compress at now, given the request's and the model's recent top-token probabilities."""

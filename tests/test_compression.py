@@ -170,8 +170,6 @@ def test_budget_demotes_lowest_confidence_first():
         budget_bytes=2 * 10 + 10 + 2 * 6,
         full_bytes=10,
         key_only_bytes=6,
-        high=0.9,
-        medium=0.7,
         use_tiers=True,
     )
     kept = set(plan.keep_full.tolist()) | set(plan.keep_key_only.tolist())
@@ -194,7 +192,7 @@ def test_plan_demotes_only_as_far_as_the_budget_needs(scores, data):
     num_key_only = data.draw(st.integers(0, n))
     budget = data.draw(st.integers(0, 12 * n))
     use_tiers = data.draw(st.booleans())
-    plan = plan_tiers(torch.tensor(scores), protected, num_key_only, budget, 10, 6, 0.9, 0.7, use_tiers)
+    plan = plan_tiers(torch.tensor(scores), protected, num_key_only, budget, 10, 6, use_tiers)
     full, key_only, dropped = (set(t.tolist()) for t in (plan.keep_full, plan.keep_key_only, plan.dropped))
     assert full | key_only | dropped == set(range(n)) and not (full & key_only or full & dropped or key_only & dropped)
     assert not {i for i in range(n) if protected_list[i]} & dropped
@@ -206,14 +204,10 @@ def test_plan_demotes_only_as_far_as_the_budget_needs(scores, data):
     assert cost <= max(budget, protected_cost)
     if 10 * (n - num_key_only) + 6 * num_key_only <= budget:
         assert not dropped and key_only == set(range(num_key_only))  # it all fits: nothing changes
-    # The thresholds read the plan off the confidence, lowest confidence demoted first.
-    confidence = plan.confidence
-    unprotected = [i for i in range(n) if not protected_list[i]]
-    for i in unprotected:
-        expected = "full" if confidence[i] >= 0.9 else "key_only" if confidence[i] >= 0.7 else "dropped"
-        assert i in {"full": full, "key_only": key_only, "dropped": dropped}[expected]
-    kept_conf = [float(confidence[i]) for i in unprotected if i not in dropped]
-    assert all(float(confidence[i]) < min(kept_conf, default=1.0) for i in dropped)
+    # The lowest scores are demoted first (compared as the plan ranks them, in float32).
+    ranked = torch.tensor(scores).tolist()
+    kept_scores = [ranked[i] for i in range(n) if not protected_list[i] and i not in dropped]
+    assert all(ranked[i] <= min(kept_scores, default=1.0) for i in dropped)
 
 
 def test_kv_store_tiers_account_exactly():

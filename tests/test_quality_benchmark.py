@@ -153,3 +153,14 @@ def test_saved_results_are_read_back_for_a_new_report(tmp_path):
         ("kvpress SnapKV", 9.5),
         ("kvpress TOVA", 9.7),
     ]
+
+
+def test_the_confidence_ablation_sets_dynamics_doubt_weight():
+    from compression.config import CompressionConfig, resolve
+
+    plan = quality.setups([0.75], ("dynamic",), doubt_weights=[0.5, 0.0, -0.5])
+    ablation = [s for s in plan if s.doubt_weight is not None]
+    assert [s.label for s in ablation] == [f"dynamic, doubt_weight {w}" for w in ("+0.5", "+0", "-0.5")]
+    weights = [resolve(CompressionConfig(), quality.request_of(s), True, False).scorer().doubt_weight for s in ablation]
+    assert weights == [0.5, 0.0, -0.5]
+    assert resolve(CompressionConfig(), quality.request_of(plan[3]), True, False).scorer().doubt_weight == 0.5

@@ -234,6 +234,7 @@ def test_compression_stats_report_metrics(server):
     assert set(metrics) == {
         "original_size",
         "compressed_size",
+        "ceiling_size",
         "compression_ratio",
         "hit_rate",
         "recall_rate",
@@ -244,6 +245,7 @@ def test_compression_stats_report_metrics(server):
     assert metrics["policy"] == "dynamic"
     assert metrics["compression_ratio"] == pytest.approx(metrics["compressed_size"] / metrics["original_size"])
     assert metrics["compression_ratio"] <= 0.15 + 0.05  # one compression interval of slack
+    assert metrics["ceiling_size"] == pytest.approx(0.15 * metrics["original_size"], abs=1)
     assert 0.0 < metrics["recall_rate"] <= 1.0
     assert metrics["entries"]["dropped"] > 0
     assert "compression_metrics" not in post(server, {**body, "compression_stats": False}).json()

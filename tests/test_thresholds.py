@@ -1,0 +1,145 @@
+"""Thresholds decide where a policy gives a retention confidence, and compression_rate is a ceiling."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from app.engine import run_to_completion
+from compression.config import Thresholds, resolve
+from compression.kv_store import BLOCK_SIZE
+from compression.policy import plan_tiers
+from compression.scoring import POLICIES, LayerEntries, ScorePolicy
+from tests.helpers import greedy, make_engine, tiny_model
+
+FULL, KEY_ONLY = 10, 6  # bytes of an entry at each tier in these plans
+UNLIMITED = float("inf")
+
+
+def tiers(plan) -> tuple[set[int], set[int], set[int]]:
+    return tuple(set(t.tolist()) for t in (plan.keep_full, plan.keep_key_only, plan.dropped))
+
+
+def f32(x: float) -> float:
+    """As the plan compares: confidences and thresholds in float32."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def cost(plan) -> int:
+    return FULL * plan.keep_full.numel() + KEY_ONLY * plan.keep_key_only.numel()
+
+
+threshold_pairs = st.tuples(st.floats(0, 1), st.floats(0, 1), st.floats(0, 1)).map(
+    lambda t: Thresholds(high=max(t[:2]), medium=min(t[:2]), low=min(t[2], min(t[:2])))
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(confidence=st.lists(st.floats(0, 1), min_size=1, max_size=40), thresholds=threshold_pairs, data=st.data())
+def test_under_a_generous_ceiling_the_thresholds_alone_decide(confidence, thresholds, data):
+    n = len(confidence)
+    num_key_only = data.draw(st.integers(0, n))
+    judged = torch.tensor(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    c = torch.tensor(confidence)
+    protected = torch.zeros(n, dtype=torch.bool)
+    plan = plan_tiers(c, protected, num_key_only, UNLIMITED, FULL, KEY_ONLY, True, c, thresholds, judged)
+    full, key_only, dropped = tiers(plan)
+    for i, value in enumerate(c.tolist()):
+        line = f32(thresholds.drop_line if judged[i] else thresholds.medium)
+        if value < line:
+            assert i in dropped
+        elif value >= f32(thresholds.high) and i >= num_key_only:
+            assert i in full
+        else:  # KEY_ONLY: between the lines, or KEY_ONLY already (it never goes back to FULL)
+            assert i in key_only
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    confidence=st.lists(st.floats(0, 1), min_size=1, max_size=40),
+    pair=st.tuples(threshold_pairs, threshold_pairs),
+    budget=st.integers(0, 500),
+    data=st.data(),
+)
+def test_higher_thresholds_never_keep_more_and_the_ceiling_is_never_exceeded(confidence, pair, budget, data):
+    n = len(confidence)
+    c = torch.tensor(confidence)
+    protected = torch.tensor(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    lower, higher = sorted(pair, key=lambda t: (t.high, t.medium))
+    if higher.medium < lower.medium:  # both lines must rise for the comparison
+        higher = Thresholds(high=higher.high, medium=lower.medium)
+    plans = [plan_tiers(c, protected, 0, budget, FULL, KEY_ONLY, True, c, t) for t in (lower, higher)]
+    protected_cost = FULL * int(protected.sum())
+    for plan in plans:
+        assert cost(plan) <= max(budget, protected_cost)  # the ceiling
+        full, key_only, dropped = tiers(plan)
+        kept = [confidence[i] for i in full | key_only if not protected[i]]
+        assert all(confidence[i] <= min(kept, default=1.0) for i in dropped)  # lowest confidence first
+    generous = [plan_tiers(c, protected, 0, UNLIMITED, FULL, KEY_ONLY, True, c, t) for t in (lower, higher)]
+    assert cost(generous[1]) <= cost(generous[0])
+
+
+def test_an_entry_kept_before_stays_down_to_the_drop_line():
+    c = torch.tensor([0.95, 0.8, 0.6, 0.4])
+    protected = torch.zeros(4, dtype=torch.bool)
+    seed = Thresholds(high=0.9, medium=0.7, low=0.5)
+    fresh = plan_tiers(c, protected, 0, UNLIMITED, FULL, KEY_ONLY, True, c, seed, torch.zeros(4, dtype=torch.bool))
+    kept = plan_tiers(c, protected, 0, UNLIMITED, FULL, KEY_ONLY, True, c, seed, torch.ones(4, dtype=torch.bool))
+    assert tiers(fresh) == ({0}, {1}, {2, 3})
+    assert tiers(kept) == ({0}, {1, 2}, {3})  # 0.6 is above low: it stays, as KEY_ONLY
+
+
+@pytest.fixture
+def by_position() -> Iterator[type[ScorePolicy]]:
+    """A policy whose retention confidence is fixed by position: every third entry 0.95, the next
+    0.8, the next 0.3; the thresholds then decide every tier."""
+
+    @dataclass
+    class ByPosition(ScorePolicy):
+        name = "test_by_position"
+        uses_attention = False
+        uses_tiers = True
+        thresholds_decide = True
+
+        def score(self, entries: LayerEntries) -> torch.Tensor:
+            return entries.positions.float()
+
+        def retention(self, entries: LayerEntries, scores: torch.Tensor) -> torch.Tensor:
+            return torch.tensor([0.95, 0.8, 0.3])[entries.positions % 3]
+
+    yield ByPosition
+    del POLICIES[ByPosition.name]
+
+
+def test_a_requests_thresholds_decide_its_memory_under_the_rate_ceiling(tokenizer, by_position):
+    model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    settings = {"sink_tokens": 4, "recent_window": 16, "compression_interval": 8, "score_interval": 2}
+    ids = [int(t) for t in torch.randint(3, len(tokenizer), (300,), generator=torch.Generator().manual_seed(0))]
+
+    def run(rate: float, thresholds: dict) -> dict:
+        engine = make_engine(model, tokenizer, compression=settings)
+        request = {"policy": "test_by_position", "compression_rate": rate, "thresholds": thresholds}
+        engine.add_request(
+            "r", ids, greedy(16, ignore_eos=True), resolve(engine.compression_config, request, True, True)
+        )
+        return run_to_completion(engine)["r"][-1].compression_metrics
+
+    seed = run(0.1, {"high": 0.9, "medium": 0.7})
+    strict = run(0.1, {"high": 0.99, "medium": 0.9})
+    lenient = run(0.1, {"high": 0.5, "medium": 0.2})
+    # Generous ceiling: the thresholds decide. One entry in three FULL, one KEY_ONLY, one dropped...
+    held = seed["entries"]
+    assert held["dropped"] > 0 and held["key_only"] > 0 and held["full"] > 0
+    assert seed["compressed_size"] < 0.7 * seed["ceiling_size"]  # ...far below what the rate allows
+    assert strict["compressed_size"] < seed["compressed_size"] < lenient["compressed_size"]
+    assert lenient["entries"]["dropped"] == 0
+    # A tight ceiling: the rate wins over lenient thresholds.
+    tight = run(0.8, {"high": 0.5, "medium": 0.2})
+    slack = (8 + 2 * BLOCK_SIZE) * make_engine(model, tokenizer).store.token_bytes  # an interval, partial blocks
+    assert tight["compressed_size"] <= tight["ceiling_size"] + slack
+    assert tight["compressed_size"] < lenient["compressed_size"]
