@@ -21,6 +21,7 @@ with `--policies`; by default the kvpress presses stand for them.
     python benchmarks/quality.py --peers        # = make bench-quality; 9 needles, 4 summaries, 2k perplexity,
                                                 # kvpress alongside: ~45 minutes on 2 cores
     python benchmarks/quality.py --quick        # a few minutes: 3 needles, 2 summaries, rate 0.6
+    python benchmarks/quality.py --policies --doubt-weights 0.5 0 -0.5 --rates 0.9   # model-confidence ablation
 Results: benchmarks/results/quality.{json,md} and one plot per task, quality_<task>.png.
 """
 
