@@ -69,6 +69,11 @@ class SequenceState:
     judged_until: int = 0  # entries below this position were kept by an earlier compression
 
     @property
+    def rate(self) -> float:
+        """The share of bytes to remove: the request's rate, or the pressure's if higher."""
+        return max(self.params.compression_rate, self.pressure_rate)
+
+    @property
     def observed_prompt_queries(self) -> int:
         """Prompt queries whose attention the end-of-prefill compression observes (0: none)."""
         if not self.params.active or not self.policy.uses_attention:
@@ -154,7 +159,7 @@ class CompressionEngine:
             return None
         original = num_tokens * self.store.model_token_bytes
         compressed = self.store.seq_bytes(seq_id)
-        rate = max(state.params.compression_rate, state.pressure_rate) if state.params.active else 0.0
+        rate = state.rate if state.params.active else 0.0
         full = key_only = 0
         if seq_id in self.store:
             for layer in range(self.store.num_layers):
@@ -272,7 +277,7 @@ class CompressionEngine:
                 state = self.states.get(seq.seq_id)
                 if state is None or not state.params.active or not state.prefilled or seq.seq_id not in self.store:
                     continue
-                current = max(state.params.compression_rate, state.pressure_rate)
+                current = state.rate
                 if current >= self.pressure_ceiling:
                     continue
                 state.pressure_rate = min(self.pressure_ceiling, current + self.pressure_step)
@@ -289,9 +294,7 @@ class CompressionEngine:
     def target_rate(self, state: SequenceState) -> float:
         """The rate to apply now: the request's (or the pressure's, if higher), as the policy adjusts
         it to the model's recent confidence."""
-        params = state.params
-        rate = max(params.compression_rate, state.pressure_rate)
-        return state.policy.target_rate(rate, state.confidences[-params.compression_interval :])
+        return state.policy.target_rate(state.rate, state.confidences[-state.params.compression_interval :])
 
     def _uses_predictor(self, state: SequenceState) -> bool:
         return self.future_value is not None and state.params.value_predictor and state.policy.uses_predictor
