@@ -175,3 +175,30 @@ def test_a_hit_too_big_to_copy_beside_its_source_is_prefilled_instead(model, tok
     again = run(engine, "again", prompt, max_tokens=4)
     assert again[-1].finish_reason == "length" and again[-1].cached_prompt_tokens == 0
     assert engine.store.used_bytes <= budget
+
+
+def test_a_compaction_beside_a_parked_prompt_is_paid_back_before_the_next_forward_pass(model, tokenizer):
+    """The compaction writes the kept entries into fresh blocks while the parked prompt holds the old
+    ones: that may pass the budget for a moment, and the prefix cache gives it back at once."""
+    prompt = ids(tokenizer, 300, seed=30)
+    budget = int(1.15 * make_engine(model, tokenizer).store.bytes_for(len(prompt) + 16))
+    engine = make_engine(model, tokenizer, max_cache_bytes=budget, compression=SETTINGS, prefix_cache=True)
+    request = {"policy": "h2o", "compression_rate": 0.5, "kv_cache_dtype": "auto"}
+    engine.add_request(
+        "r", prompt, greedy(12, ignore_eos=True), resolve(engine.compression_config, request, True, False)
+    )
+    at_forward, after_step = [], []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        at_forward.append(engine.store.used_bytes)
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    while engine.has_unfinished():
+        engine.step()
+        after_step.append(engine.store.used_bytes)
+    assert max(after_step) > budget  # the compaction beside the parked prompt went over...
+    assert max(at_forward) <= budget  # ...and no forward pass ran over the budget
+    assert len(engine.prefix_cache) == 0  # the parked prompt paid for it
