@@ -49,6 +49,7 @@ collect-traces: model
 train-predictor: model
 	test -d $(TRACES) || $(PY) -m compression.predictor.collect --out $(TRACES)
 	$(PY) -m compression.predictor.train --traces $(TRACES) --profile small --out $(PREDICTOR)
+	$(PY) -m compression.predictor.calibrate --traces $(TRACES) --predictor $(PREDICTOR)
 
 load-test: model
 	$(PY) load_tests/run.py $(ARGS)

@@ -29,7 +29,7 @@ from app.serving import APIError, GenerateService
 from app.settings import Settings
 from compression.config import resolve
 from compression.predictor.misses import MissLog
-from compression.predictor.online import load_future_value, predictor_path
+from compression.predictor.online import load_future_value, load_retention, predictor_path
 from models.loader import load_model
 
 log = logging.getLogger(__name__)
@@ -59,17 +59,17 @@ def build_engine(settings: Settings) -> LLMEngine:
         compression.kv_cache_dtype,
     )
     future_value = None
-    if settings.value_predictor != "off":
+    path = predictor_path(settings.model_path)
+    if settings.value_predictor not in ("off", "auto"):
         path = Path(settings.value_predictor)
-        if settings.value_predictor == "auto":
-            path = predictor_path(settings.model_path)
+    if settings.value_predictor != "off":
         misses = None
         if settings.predictor_error_samples is not None:
             misses = MissLog(settings.predictor_error_samples, compression.prediction_window)
         future_value = load_future_value(path, model.config, device, compression.score_interval, misses)
         if future_value is not None:
             future_value.require_window(compression.prediction_window)
-    engine = LLMEngine(model, tokenizer, config, compression, future_value)
+    engine = LLMEngine(model, tokenizer, config, compression, future_value, load_retention(path, model.config))
     if settings.prefix_cache_warmup:
         warm_up(engine, settings)
     return engine

@@ -21,7 +21,8 @@ from app.sequence import FinishReason, SamplingParams, Sequence
 from compression.config import CompressionConfig, CompressionParams, resolve
 from compression.engine import CompressionEngine, CompressionMetrics
 from compression.kv_store import KVStore
-from compression.predictor.online import FutureValue
+from compression.predictor.calibration import Calibration, Source
+from compression.predictor.online import FutureValue, load_retention, predictor_path
 from compression.prefix_cache import PrefixCache
 from models.loader import KVShape
 
@@ -74,7 +75,9 @@ class LLMEngine:
         config: EngineConfig,
         compression: CompressionConfig | None = None,
         future_value: FutureValue | None = None,
+        calibrations: dict[Source, Calibration] | None = None,
     ) -> None:
+        """`calibrations`: the retention confidence's tables (None: those shipped for this model, if any)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config
@@ -96,6 +99,7 @@ class LLMEngine:
             self.compression_config.pressure_rate_ceiling,
             self.compression_config.pressure_rate_step,
             future_value,
+            load_retention(predictor_path(None), model.config) if calibrations is None else calibrations,
         )
         self.runner = ModelRunner(model, self.store)
         self.prefix_cache = PrefixCache(self.store, config.lru_k) if config.prefix_cache else None

@@ -6,7 +6,10 @@
    predictor against accumulated attention (H2O), the latest query (TOVA), the latest observations
    (SnapKV-like), the dynamic policy's own decayed score, key norm (Knorm) and recency; the future
    itself (oracle) bounds what any scorer can reach.
-2. Cost: decode steps of 16 x 2k-token sequences, compression off, dynamic by attention, dynamic
+2. Calibration of the retention confidence on the same held-out traces: per source (forecast,
+   decayed attention), stated probability of being needed against how often such entries were, in
+   ten bins, and the expected calibration error; and what the default thresholds would keep.
+3. Cost: decode steps of 16 x 2k-token sequences, compression off, dynamic by attention, dynamic
    with the predictor: the compression engine's share of each step. At rate 0.75 by default: at
    0.6 the budget holds every entry at int8, so nothing is scored and the predictor never runs.
 
@@ -32,9 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.report import save_report  # noqa: E402
 from benchmarks.serving import measure_overhead, overhead_table  # noqa: E402
 from compression.config import CompressionConfig  # noqa: E402
+from compression.predictor.calibrate import outcomes, relative_values  # noqa: E402
+from compression.predictor.calibration import reliability  # noqa: E402
 from compression.predictor.features import FEATURES, unscaled_attention  # noqa: E402
-from compression.predictor.online import load_future_value, predictor_path  # noqa: E402
+from compression.predictor.online import load_future_value, load_retention, predictor_path  # noqa: E402
 from compression.predictor.train import load_traces  # noqa: E402
+from compression.scoring import make_policy  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -108,6 +114,49 @@ def offline_markdown(table: dict, keep: float, samples: int, groups: int) -> str
     return "\n".join(lines)
 
 
+def calibration_evidence(traces: dict[str, torch.Tensor], predicted: torch.Tensor, calibrations: dict) -> dict:
+    """Reliability of each source's retention confidence on held-out traces."""
+    thresholds = CompressionConfig.load().thresholds
+    evidence = {}
+    for source, calibration in calibrations.items():
+        window = calibration.prediction_window
+        relative = relative_values(traces, unscaled_attention(predicted), make_policy("dynamic"), window)[source]
+        outcome = outcomes(traces, window, calibration.share)
+        probability = calibration(relative)
+        rows, error = reliability(probability, outcome)
+        evidence[source] = {
+            "share": calibration.share,
+            "window": window,
+            "needed": float(outcome.float().mean()),
+            "ece": error,
+            "rows": [vars(r) for r in rows],
+            "full": float((probability >= thresholds.high).float().mean()),
+            "key_only": float(((probability >= thresholds.medium) & (probability < thresholds.high)).float().mean()),
+        }
+    return evidence
+
+
+def calibration_markdown(evidence: dict, samples: int) -> str:
+    names = {"forecast": "value predictor's forecast", "attention": "decayed attention (no predictor)"}
+    lines = []
+    for source, e in evidence.items():
+        lines += [
+            f"Retention confidence from the {names[source]}: P(the entry draws at least {e['share']} x an average "
+            f"held entry's attention over the next {e['window']} decode steps), on {samples} held-out samples "
+            f"({e['needed']:.1%} were needed). Expected calibration error **{e['ece']:.3f}**. At the default "
+            f"thresholds {e['full']:.1%} of the samples would be FULL and {e['key_only']:.1%} KEY_ONLY.",
+            "",
+            "| stated probability | samples | mean stated | observed frequency |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        lines += [
+            f"| {r['low']:.1f}-{r['high']:.1f} | {r['entries']} | {r['stated']:.3f} | {r['observed']:.3f} |"
+            for r in e["rows"]
+        ]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traces", type=Path, default=Path("traces"))
@@ -133,6 +182,10 @@ def main() -> None:
     table = offline(traces, predicted, args.keep)
     sections = [offline_markdown(table, args.keep, len(predicted), int(traces["groups"].unique().numel()))]
     data = {"offline": table, "predictor": path.name, "config": future_value.predictor.config.short_description}
+    calibrations = load_retention(path, model.config)
+    if calibrations:
+        data["calibration"] = calibration_evidence(traces, predicted, calibrations)
+        sections.append(calibration_markdown(data["calibration"], len(predicted)))
     if not args.skip_cost:
         cost = measure_overhead(
             model, tokenizer, args.overhead_seqs, args.overhead_prompt_tokens, 48, future_value, args.cost_rate

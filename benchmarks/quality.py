@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import statistics
@@ -63,6 +64,7 @@ PEERS_RUNNER = Path(__file__).resolve().parent / "peers" / "kvpress_runner.py"
 POLICIES = ("dynamic", "tova", "snapkv", "h2o", "knorm", "streaming_llm", "random")
 ATTENTION_ONLY = "dynamic, attention only"  # the dynamic policy without the value predictor
 DEFAULT_ROWS = ("dynamic", ATTENTION_ONLY)
+RATE_ONLY = "dynamic, rate only"  # thresholds that never bind: the bytes the rate allows, as before they decided
 PPL_FORCED = 512  # the perplexity text's last tokens, teacher-forced; the rest is prefilled uncompressed
 PPL_INTERVAL = 128  # tokens between compressions in the perplexity task (kvpress's decoding press needs
 # more buffered queries than SnapKV's 64-token window; the same interval applies to every setup)
@@ -77,6 +79,7 @@ class Setup:
     value_predictor: bool = True  # dynamic: rank by the predictor (when one is loaded)
     source: str = "ours"  # or "kvpress"
     doubt_weight: float | None = None  # dynamic: its own default, or this weight on the tokens' sampling doubt
+    thresholds: tuple[float, float] | None = None  # (high, medium): the config's, or these
 
 
 @dataclass
@@ -91,6 +94,7 @@ class Row:
     perplexity_memory_kept: float = 0.0  # at the end of the perplexity text
     forced_top1: float = 0.0  # teacher-forced answers: share of steps whose top token is the uncompressed one
     forced_kl: float = 0.0  # teacher-forced answers: mean KL(uncompressed || compressed) per token, nats
+    memory_by_case: dict[str, float] = field(default_factory=dict)  # needle and fidelity cases
     seconds: float = 0.0
     outputs: dict[str, str] = field(default_factory=dict)
 
@@ -110,7 +114,13 @@ class Tasks:
         return len(self.perplexity_ids) - PPL_FORCED
 
 
-def setups(rates: list[float], labels: tuple[str, ...], doubt_weights: list[float] | None = None) -> list[Setup]:
+def setups(
+    rates: list[float],
+    labels: tuple[str, ...],
+    doubt_weights: list[float] | None = None,
+    thresholds: list[tuple[float, float]] | None = None,
+    fixed_rates: list[float] | None = None,
+) -> list[Setup]:
     plan = [
         Setup("uncompressed", "auto", "none", 0.0),
         Setup("uniform int8", "int8", "none", 0.0),
@@ -130,6 +140,13 @@ def setups(rates: list[float], labels: tuple[str, ...], doubt_weights: list[floa
         plan += [
             Setup(f"dynamic, doubt_weight {w:+g}", "int8", "dynamic", rate, doubt_weight=w) for w in doubt_weights or []
         ]
+        # The thresholds sweep: the rate is their ceiling.
+        plan += [
+            Setup(f"dynamic, thresholds {h:g}/{m:g}", "int8", "dynamic", rate, thresholds=(h, m))
+            for h, m in thresholds or []
+        ]
+    # Fixed-rate dynamic: thresholds at 0 never bind, so the rate alone decides the bytes.
+    plan += [Setup(RATE_ONLY, "int8", "dynamic", rate, thresholds=(0.0, 0.0)) for rate in fixed_rates or []]
     return plan
 
 
@@ -156,12 +173,14 @@ def request_of(setup: Setup, interval: int | None = None) -> dict:
     }
     if setup.doubt_weight is not None:
         request["policy_options"] = {"dynamic": {"doubt_weight": setup.doubt_weight}}
+    if setup.thresholds is not None:
+        request["thresholds"] = dict(zip(("high", "medium"), setup.thresholds, strict=True))
     return {**request, "compression_interval": interval} if interval else request
 
 
 def run_setup(
     model, tokenizer, setup: Setup, tasks: Tasks, future_value: FutureValue | None
-) -> tuple[dict[str, str], dict[str, list[int]], list[dict], float]:
+) -> tuple[dict[str, str], dict[str, list[int]], dict[str, dict], float]:
     """Greedy outputs (text and tokens) of every needle and summary case, batched through the engine,
     and their metrics."""
     config = CompressionConfig()
@@ -177,7 +196,7 @@ def run_setup(
         engine.add_request(name, ids, SamplingParams(max_tokens=tasks.max_tokens[name], temperature=0.0), params)
     texts = {name: "" for name in tasks.prompts}
     tokens: dict[str, list[int]] = {name: [] for name in tasks.prompts}
-    metrics: list[dict] = []
+    metrics: dict[str, dict] = {}
     started = time.perf_counter()
     label = f"{setup.label} @ {setup.rate}" if setup.rate else setup.label
     with torch.inference_mode(), tqdm(total=len(tasks.prompts), desc=label, unit="case", leave=False) as bar:
@@ -186,7 +205,7 @@ def run_setup(
                 texts[out.request_id] += out.delta_text
                 tokens[out.request_id] += out.new_token_ids
                 if out.finished:
-                    metrics.append(out.compression_metrics)
+                    metrics[out.request_id] = out.compression_metrics
                     bar.update(1)
     return texts, tokens, metrics, time.perf_counter() - started
 
@@ -324,6 +343,20 @@ def main() -> None:
         default=None,
         help="also dynamic with these doubt_weight values (the model-confidence ablation: 0.5 0 -0.5)",
     )
+    parser.add_argument(
+        "--thresholds",
+        type=_pair,
+        nargs="+",
+        default=None,
+        help="also dynamic with these HIGH:MEDIUM thresholds at each rate (their ceiling), e.g. 0.9:0.7 0.8:0.5",
+    )
+    parser.add_argument(
+        "--fixed-rates",
+        type=float,
+        nargs="+",
+        default=None,
+        help=f"also '{RATE_ONLY}' at these rates: the thresholds' comparison at equal mean bytes",
+    )
     parser.add_argument("--peers", action="store_true", help="also run kvpress's presses (make bench-peers)")
     parser.add_argument("--presses", nargs="+", default=None, help="kvpress presses (default: all)")
     parser.add_argument("--ours-from", type=Path, default=None, help="our rows from a saved quality.json")
@@ -356,11 +389,13 @@ def main() -> None:
 
 def run_ours(args, model, tokenizer, tasks: Tasks, future_value: FutureValue | None) -> list[Row]:
     rows: list[Row] = []
-    for setup in tqdm(setups(args.rates, tuple(args.policies), args.doubt_weights), desc="our setups", unit="setup"):
+    plan = setups(args.rates, tuple(args.policies), args.doubt_weights, args.thresholds, args.fixed_rates)
+    for setup in tqdm(plan, desc="our setups", unit="setup"):
         texts, tokens, metrics, seconds = run_setup(model, tokenizer, setup, tasks, future_value)
         row = Row(setup, seconds=seconds)
         score(row, texts, rows[0] if rows else None, tasks)
-        row.memory_kept = statistics.mean(m["compression_ratio"] for m in metrics)
+        row.memory_by_case = {name: m["compression_ratio"] for name, m in metrics.items()}
+        row.memory_kept = statistics.mean(row.memory_by_case.values())
         row.perplexity, row.perplexity_memory_kept = perplexity(
             model, tasks.perplexity_ids, tasks.perplexity_prefill, setup, future_value
         )
@@ -467,12 +502,99 @@ def report(rows: list[Row], args, tasks: Tasks) -> None:
             for r in rows:
                 by = " | ".join(f"{r.needle_by_length[n]:.0%}" for n in lengths)
                 lines.append(f"| {r.setup.label} | {r.setup.rate or '-'} | {by} |")
+    lines += thresholds_section(rows)
     save_report(args.out, "Quality benchmark", "\n".join(lines), {"rows": [asdict(r) for r in rows]}, args)
     for key in TASKS:
         plot(rows, key, args.out.with_name(f"{args.out.name}_{key}.png"))
+    if any(r.setup.thresholds for r in rows):
+        plot_memory_by_case(rows, args.out.with_name(f"{args.out.name}_memory_by_case.png"))
+
+
+COMPARED = ("needle_relative", "forced_top1", "forced_kl", "rouge_l", "perplexity")
+
+
+def thresholds_section(rows: list[Row]) -> list[str]:
+    """The thresholds sweep (memory per request, quality), and each point against fixed-rate dynamic
+    at the same mean bytes (interpolated between the two fixed rates around it)."""
+    swept = [r for r in rows if r.setup.thresholds and r.setup.label != RATE_ONLY]
+    if not swept:
+        return []
+    fixed = sorted((r for r in rows if r.setup.label == RATE_ONLY), key=lambda r: r.memory_kept)
+    lines = [
+        "",
+        "#### Thresholds decide, the rate is a ceiling",
+        "",
+        "Memory kept per request (compressed / uncompressed bytes, over the needle and summary cases) and quality, "
+        "for dynamic at each (high, medium) pair; '" + RATE_ONLY + "' is dynamic with thresholds that never bind.",
+        "",
+        "| setup | ceiling rate | memory kept, mean | min / median / max per request | needle | top-1 | KL | "
+        "ROUGE-L | perplexity |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in [*swept, *fixed]:
+        by_case = sorted(r.memory_by_case.values())
+        spread = f"{by_case[0]:.3f} / {statistics.median(by_case):.3f} / {by_case[-1]:.3f}" if by_case else "-"
+        lines.append(
+            f"| {r.setup.label} | {r.setup.rate:.2f} | {r.memory_kept:.3f} | {spread} | {r.needle_relative:.0%} | "
+            f"{r.forced_top1:.3f} | {r.forced_kl:.4f} | {r.rouge_l:.3f} | {r.perplexity:.2f} |"
+        )
+    if len(fixed) < 2:
+        return lines
+    lines += [
+        "",
+        "At equal mean bytes: each thresholds point against fixed-rate dynamic interpolated at its memory kept "
+        "(thresholds / fixed rate; '-' where its memory lies outside the fixed rates measured).",
+        "",
+        "| setup | memory kept | needle | top-1 | KL | ROUGE-L | perplexity |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in swept:
+        cells = []
+        for attr in COMPARED:
+            at = _interpolate(fixed, r.memory_kept, attr)
+            form = "{:.0%}" if attr == "needle_relative" else "{:.4f}" if attr == "forced_kl" else "{:.3f}"
+            cells.append("-" if at is None else f"{form.format(getattr(r, attr))} / {form.format(at)}")
+        lines.append(f"| {r.setup.label} | {r.memory_kept:.3f} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _interpolate(fixed: list[Row], memory: float, attr: str) -> float | None:
+    """`attr` of fixed-rate rows (sorted by memory) linearly interpolated at `memory`."""
+    for low, high in itertools.pairwise(fixed):
+        if low.memory_kept <= memory <= high.memory_kept:
+            span = high.memory_kept - low.memory_kept
+            weight = (memory - low.memory_kept) / span if span else 0.0
+            return getattr(low, attr) + weight * (getattr(high, attr) - getattr(low, attr))
+    return None
+
+
+def plot_memory_by_case(rows: list[Row], path: Path) -> None:
+    """Memory follows content: each request's memory kept, per thresholds setup and fixed rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if r.setup.thresholds]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(shown) + 1.5))
+    for i, r in enumerate(shown):
+        values = list(r.memory_by_case.values())
+        ax.plot(values, [i] * len(values), "o", alpha=0.6)
+    ax.set_yticks(range(len(shown)), [f"{r.setup.label} @ {r.setup.rate:g}" for r in shown], fontsize=7)
+    ax.set_xlabel("memory kept per request (compressed / uncompressed bytes)")
+    ax.set_title("Memory per request: thresholds against a fixed rate", fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 FORCED = ("forced_top1", "forced_kl")  # measured for our setups only
+
+
+def _pair(text: str) -> tuple[float, float]:
+    high, _, medium = text.partition(":")
+    return float(high), float(medium)
 
 
 def _threads(args) -> str:

@@ -21,6 +21,7 @@ import torch
 from compression.config import CompressionParams
 from compression.kv_store import Keep, KVStore
 from compression.policy import plan_tiers
+from compression.predictor.calibration import Calibration, Source
 from compression.predictor.misses import Dropped
 from compression.predictor.online import Forecast, FutureValue, PredictionJob
 from compression.scoring import LayerEntries, ScorePolicy
@@ -97,9 +98,11 @@ class CompressionEngine:
         pressure_ceiling: float = 0.9,
         pressure_step: float = 0.05,
         future_value: FutureValue | None = None,
+        calibrations: dict[Source, Calibration] | None = None,
     ) -> None:
         self.store = store
         self.future_value = future_value  # the value predictor, when one is loaded
+        self.calibrations = calibrations or {}  # retention confidence by value source, when fitted
         self.pressure_ceiling = pressure_ceiling
         self.pressure_step = pressure_step
         self.squeezes = 0  # compressions forced by memory pressure
@@ -299,6 +302,10 @@ class CompressionEngine:
     def _uses_predictor(self, state: SequenceState) -> bool:
         return self.future_value is not None and state.params.value_predictor and state.policy.uses_predictor
 
+    def _calibration(self, state: SequenceState) -> Calibration | None:
+        """What turns this sequence's value scores into retention confidences (a calibrated policy's)."""
+        return self.calibrations.get("forecast" if self._uses_predictor(state) else "attention")
+
     def _logs_misses(self, state: SequenceState) -> bool:
         return self._uses_predictor(state) and self.future_value.misses is not None
 
@@ -337,6 +344,7 @@ class CompressionEngine:
             job = self._prediction_job(seq_id, num_tokens, state, layers)
             predicted = self.future_value.predict(store, [job])[seq_id]
         confidence = self._token_confidence(state, num_tokens)
+        calibration = self._calibration(state)
         keep = {}
         for layer in layers:
             kv = store.layer(seq_id, layer)
@@ -349,6 +357,7 @@ class CompressionEngine:
                 attention=kv.attention[:n],
                 token_confidence=confidence[positions],
                 predicted=predicted[layer].value if predicted is not None else None,
+                calibration=calibration,
                 position=num_tokens - 1,
                 layer=layer,
                 seed=params.seed,

@@ -28,7 +28,8 @@ from compression.attention import ATTENTION_NAME, PackedBatch, Segment
 from compression.config import CompressionConfig, parse_size, resolve
 from compression.engine import CompressionEngine, CompressionMetrics
 from compression.kv_store import KVStore
-from compression.predictor.online import FutureValue
+from compression.predictor.calibration import Calibration, Source
+from compression.predictor.online import FutureValue, load_retention, predictor_path
 from models.loader import KVShape
 
 SEQ_ID = 0
@@ -66,12 +67,14 @@ class DynamicKVCompressor(Cache):
         config: CompressionConfig | None = None,
         stats: bool = True,
         future_value: FutureValue | None = None,
+        calibrations: dict[Source, Calibration] | None = None,
         **options,
     ) -> None:
         """`max_cache_size`: MB (as in the seeds), or '2GiB', or '80%' of device memory.
         `prediction_window`: the config's (the window the predictor was trained for); another is refused.
         `future_value`: the value predictor for the `dynamic` policy (`load_future_value`); without it,
-        dynamic scores by observed attention only. Other options (`compression_interval`,
+        dynamic scores by observed attention only. `calibrations`: the retention confidence's tables
+        (`load_retention`; None: those shipped for the model, if any). Other options (`compression_interval`,
         `thresholds={...}`, `kv_cache_dtype`, `policy_options={...}`) are those of a request's
         `compression` object, and anything else is refused (`InvalidCompression` names it); the rest
         comes from `config` (default: config/compression.json)."""
@@ -88,6 +91,7 @@ class DynamicKVCompressor(Cache):
             future_value.require_window(self.config.prediction_window)
         self.max_cache_size = max_cache_size
         self.future_value = future_value
+        self.calibrations = calibrations
         self.store: KVStore | None = None
         self.engine: CompressionEngine | None = None
         self.sequence = _Sequence()
@@ -163,7 +167,9 @@ class DynamicKVCompressor(Cache):
             key_only_bits=self.config.key_only_value_bits,
             history_steps=self.future_value.history_steps if self.future_value else 0,
         )
-        self.engine = CompressionEngine(self.store, future_value=self.future_value)
+        if self.calibrations is None:
+            self.calibrations = load_retention(predictor_path(None), cfg)
+        self.engine = CompressionEngine(self.store, future_value=self.future_value, calibrations=self.calibrations)
         self.sequence = _Sequence()
         self.store.set_storage(SEQ_ID, self.params.kv_cache_dtype)
         self._pending_confidence = None

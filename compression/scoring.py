@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from functools import cache
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from pydantic import TypeAdapter
+
+if TYPE_CHECKING:
+    from compression.predictor.calibration import Calibration
 
 
 @dataclass
@@ -33,6 +36,12 @@ class LayerEntries:
     layer: int
     seed: int = 0
     predicted: torch.Tensor | None = None  # [n] the value predictor's future attention, when it ran
+    calibration: Calibration | None = None  # relative value -> P(needed), for the value below, when fitted
+
+    @property
+    def value(self) -> torch.Tensor:
+        """What an entry is expected to be worth: the predictor's forecast when it ran, else the observed attention."""
+        return self.attention if self.predicted is None else self.predicted
 
 
 POLICIES: dict[str, type[ScorePolicy]] = {}  # name -> policy class, filled as subclasses are defined
@@ -145,18 +154,21 @@ class Random(ScorePolicy):
 
 @dataclass
 class Dynamic(ScorePolicy):
-    """Future value, pooled over neighbours, raised for tokens sampled in doubt.
+    """Future value, pooled over neighbours, raised for tokens sampled in doubt; its thresholds decide.
 
     The future value is the attention the value predictor expects over the coming window when it
     ran, else the decayed observed attention: old observations fade (`decay` per observation), so
     entries that mattered once but no longer do can leave. The pooling keeps the neighbours of
     attended tokens (facts span several tokens). Tokens the model sampled with low confidence
     mark points where the text could have gone another way; they get up to `doubt_weight` more.
+    The retention confidence is that score as a calibrated probability of being needed
+    (`compression.predictor.calibration`); without a fitted calibration the rate alone decides.
     """
 
     name = "dynamic"
     uses_tiers = True
     uses_predictor = True
+    thresholds_decide = True
     decay: float = 0.95  # per observation
     kernel_size: int = 3
     doubt_weight: float = 0.5
@@ -165,10 +177,21 @@ class Dynamic(ScorePolicy):
     def accumulate(self, previous: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
         return self.decay * previous + observed
 
+    def doubt(self, token_confidence: torch.Tensor) -> torch.Tensor:
+        """How much a token's value is raised: 1 for a sure token, up to 1 + doubt_weight."""
+        return 1.0 + self.doubt_weight * (1.0 - token_confidence)
+
     def score(self, entries: LayerEntries) -> torch.Tensor:
-        value = entries.attention if entries.predicted is None else entries.predicted
-        pooled = _pool(value, self.kernel_size, "max")
-        return pooled * (1.0 + self.doubt_weight * (1.0 - entries.token_confidence))
+        return _pool(entries.value, self.kernel_size, "max") * self.doubt(entries.token_confidence)
+
+    def retention(self, entries: LayerEntries, scores: torch.Tensor) -> torch.Tensor | None:
+        """P(needed) of the score over the average held entry's value: pooling takes the larger of
+        neighbours' scores, so an entry's confidence is its own or its likeliest neighbour's."""
+        calibration = entries.calibration
+        average = calibration.average(entries.value) if calibration is not None else 0.0
+        if average <= 0.0:
+            return None  # no calibration, or nothing observed yet: the rate decides
+        return calibration(scores / average)
 
     def target_rate(self, rate: float, recent_confidence: list[float]) -> float:
         """Confident (mean top-token probability above 0.5), remove up to `confident_extra_rate` of

@@ -29,7 +29,7 @@ from compression.predictor.features import target, window_features
 from compression.predictor.model import PredictorConfig
 from compression.scoring import make_policy
 
-SAMPLE_TENSORS = ("windows", "targets", "accumulated", "groups", "at_prefill")
+SAMPLE_TENSORS = ("windows", "targets", "accumulated", "groups", "at_prefill", "held", "decayed_total")
 
 
 @dataclass
@@ -169,6 +169,8 @@ def samples(
             parts["accumulated"].append(accumulated[chosen])
             parts["groups"].append(torch.full((len(chosen),), group))
             parts["at_prefill"].append(torch.full((len(chosen),), i < steps))
+            parts["held"].append(torch.full((len(chosen),), present))
+            parts["decayed_total"].append(torch.full((len(chosen),), float(decayed[:present].sum())))
             group += 1
     if not parts["windows"]:
         raise ValueError(f"no samples: a recording needs more than prediction_window ({window}) decode steps")

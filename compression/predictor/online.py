@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from compression.kv_store import KVStore
+from compression.predictor.calibration import Calibration, Source, calibration_path, load_calibrations
 from compression.predictor.features import unscaled_attention, window_features
 from compression.predictor.misses import MissLog
 from compression.predictor.model import ValuePredictor, load_predictor, model_fingerprint
@@ -124,3 +125,17 @@ def load_future_value(
         return None
     log.info("value predictor %s loaded (%s)", path, predictor.config.short_description)
     return FutureValue(predictor.to(device), score_interval, misses)
+
+
+def load_retention(predictor_file: Path, model_config) -> dict[Source, Calibration]:
+    """The retention confidence's calibration saved next to `predictor_file` for this model, or none
+    with one log line saying that the rate alone decides what `dynamic` keeps."""
+    path = calibration_path(predictor_file)
+    calibrations = load_calibrations(path, model_fingerprint(model_config))
+    if not calibrations:
+        log.warning(
+            "no retention calibration for this model at %s: dynamic's thresholds do not decide, its rate does "
+            "(fit one with `make train-predictor`)",
+            path,
+        )
+    return calibrations

@@ -1,0 +1,110 @@
+"""The retention confidence: a calibrated probability of being needed, fitted on traces and shipped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compression.predictor.calibration import (
+    Calibration,
+    calibration_path,
+    fit,
+    load_calibrations,
+    needed,
+    reliability,
+    save_calibrations,
+)
+from compression.predictor.model import model_fingerprint
+from compression.predictor.online import load_retention, predictor_path
+from compression.scoring import LayerEntries, make_policy
+
+
+def synthetic(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Relative values and outcomes drawn with P(needed) = 1 - exp(-value)."""
+    generator = torch.Generator().manual_seed(seed)
+    relative = torch.distributions.Exponential(1.0).sample((n,)) * 2
+    truth = 1 - torch.exp(-relative)
+    return relative, torch.rand(n, generator=generator) < truth
+
+
+def test_a_fitted_table_is_monotone_and_calibrated_on_fresh_samples():
+    relative, outcome = synthetic(20_000, 0)
+    calibration = fit(relative, outcome, "attention", 0.5, 128)
+    assert all(a <= b for a, b in zip(calibration.probabilities, calibration.probabilities[1:], strict=False))
+    fresh, fresh_outcome = synthetic(20_000, 1)
+    _, error = reliability(calibration(fresh), fresh_outcome)
+    assert error < 0.03
+    # Against the truth it was drawn from, not only against itself.
+    assert torch.allclose(calibration(torch.tensor([0.5, 2.0])), 1 - torch.exp(-torch.tensor([0.5, 2.0])), atol=0.05)
+
+
+def test_the_table_reads_as_sklearn_predicts():
+    from sklearn.isotonic import IsotonicRegression
+
+    relative, outcome = synthetic(2_000, 2)
+    calibration = fit(relative, outcome, "forecast", 0.5, 128)
+    regression = IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip").fit(relative.numpy(), outcome.numpy())
+    probe = torch.linspace(-1.0, 20.0, 500)
+    expected = torch.tensor(regression.predict(probe.double().numpy()), dtype=torch.float32)
+    assert torch.allclose(calibration(probe), expected, atol=1e-5)
+
+
+def test_reliability_bins_and_error_by_hand():
+    probability = torch.tensor([0.05, 0.05, 0.95, 0.95])
+    rows, error = reliability(probability, torch.tensor([False, True, True, True]))
+    assert [(r.entries, round(r.observed, 3)) for r in rows] == [(2, 0.5), (2, 1.0)]
+    assert error == pytest.approx((2 * 0.45 + 2 * 0.05) / 4)
+
+
+def test_needed_means_a_share_of_an_average_entry():
+    # 128 steps over 64 held entries: an average entry draws 2.0; needed at share 0.5 means >= 1.0.
+    mass = torch.tensor([0.99, 1.0, 3.0])
+    assert needed(mass, torch.full((3,), 64.0), 128, 0.5).tolist() == [False, True, True]
+
+
+def test_saved_tables_load_for_their_model_only(tmp_path, default_model):
+    table = Calibration("attention", 0.5, 128, (0.0, 1.0), (0.1, 0.9))
+    path = calibration_path(tmp_path / "p.safetensors")
+    save_calibrations([table], path, model_fingerprint(default_model.config))
+    assert load_calibrations(path, model_fingerprint(default_model.config)) == {"attention": table}
+    assert load_calibrations(path, "another model") == {}
+    assert load_calibrations(tmp_path / "missing.json", model_fingerprint(default_model.config)) == {}
+
+
+def entries(attention: list[float], calibration: Calibration | None, confidence: float = 1.0) -> LayerEntries:
+    n = len(attention)
+    return LayerEntries(
+        keys=None,
+        positions=torch.arange(n),
+        attention=torch.tensor(attention),
+        token_confidence=torch.full((n,), confidence),
+        position=n - 1,
+        layer=0,
+        calibration=calibration,
+    )
+
+
+def test_dynamic_turns_its_score_into_the_calibrated_probability():
+    policy = make_policy("dynamic", {"kernel_size": 1})
+    table = Calibration("attention", 0.5, 128, (0.0, 1.0, 4.0), (0.0, 0.5, 1.0))
+    layer = entries([0.0, 1.0, 2.0, 5.0], table)  # mean 2: relative 0, 0.5, 1, 2.5
+    retention = policy.retention(layer, policy.score(layer))
+    assert torch.allclose(retention, torch.tensor([0.0, 0.25, 0.5, 0.75]))
+    # Doubt raises the score, hence the confidence; no table or nothing observed: the rate decides.
+    doubtful = entries([0.0, 1.0, 2.0, 5.0], table, confidence=0.2)
+    assert (policy.retention(doubtful, policy.score(doubtful))[1:] > retention[1:]).all()
+    assert policy.retention(entries([1.0, 2.0], None), torch.ones(2)) is None
+    assert policy.retention(entries([0.0, 0.0], table), torch.zeros(2)) is None
+
+
+def test_a_forecast_is_measured_against_the_windows_average_share():
+    table = Calibration("forecast", 0.5, 128, (0.0, 2.0), (0.0, 1.0))
+    assert table.average(torch.ones(64)) == 2.0  # 128 steps of attention over 64 entries
+
+
+def test_the_default_model_ships_a_calibration_for_both_sources(default_model):
+    calibrations = load_retention(predictor_path(None), default_model.config)
+    assert set(calibrations) == {"forecast", "attention"}
+    for table in calibrations.values():
+        p = torch.tensor(table.probabilities)
+        assert (p[1:] >= p[:-1]).all() and p[0] < 0.5 < p[-1]
