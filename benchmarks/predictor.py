@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import save_report  # noqa: E402
+from benchmarks.report import commit_of, save_report  # noqa: E402
 from benchmarks.serving import measure_overhead, overhead_table  # noqa: E402
 from compression.config import CompressionConfig  # noqa: E402
 from compression.predictor.calibrate import outcomes, relative_values  # noqa: E402
@@ -170,6 +170,7 @@ def main() -> None:
     parser.add_argument("--skip-cost", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS / "predictor")
     args = parser.parse_args()
+    commit = commit_of()  # the code measured, before anything can change it
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model_path, torch.device("cpu"))
     path = args.predictor or predictor_path(args.model_path)
@@ -181,7 +182,12 @@ def main() -> None:
         predicted = torch.cat([future_value.predictor(w) for w in traces["windows"].split(65536)])
     table = offline(traces, predicted, args.keep)
     sections = [offline_markdown(table, args.keep, len(predicted), int(traces["groups"].unique().numel()))]
-    data = {"offline": table, "predictor": path.name, "config": future_value.predictor.config.short_description}
+    data = {
+        "commit": commit,
+        "offline": table,
+        "predictor": path.name,
+        "config": future_value.predictor.config.short_description,
+    }
     calibrations = load_retention(path, model.config)
     if calibrations:
         data["calibration"] = calibration_evidence(traces, predicted, calibrations)
@@ -192,6 +198,7 @@ def main() -> None:
         )
         sections.append(overhead_table(cost, args.overhead_seqs, args.overhead_prompt_tokens, args.threads))
         data["cost"] = cost
+    sections.append(f"Commit {commit}.")
     save_report(args.out, "Value predictor", "\n\n".join(sections), data, args)
 
 
