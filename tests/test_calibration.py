@@ -108,3 +108,30 @@ def test_the_default_model_ships_a_calibration_for_both_sources(default_model):
     for table in calibrations.values():
         p = torch.tensor(table.probabilities)
         assert (p[1:] >= p[:-1]).all() and p[0] < 0.5 < p[-1]
+
+
+def test_dynamics_thresholds_decide_its_memory_on_the_default_model(default_model, tokenizer):
+    """With the shipped predictor and calibration: stricter thresholds hold fewer bytes, all under
+    the ceiling, and thresholds at 0 leave the rate alone to decide."""
+    from app.engine import EngineConfig, LLMEngine, run_to_completion
+    from benchmarks.corpus import paragraphs
+    from compression.config import CompressionConfig, resolve
+    from compression.predictor.online import load_future_value
+    from tests.helpers import greedy
+
+    config = CompressionConfig.load()
+    future_value = load_future_value(predictor_path(None), default_model.config, torch.device("cpu"), 4)
+    prompt = tokenizer(" ".join(paragraphs()[:8])).input_ids[:400]
+
+    def held(high: float, medium: float) -> dict:
+        engine = LLMEngine(default_model, tokenizer, EngineConfig(max_cache_bytes=2**30), config, future_value)
+        request = {"compression_rate": 0.6, "thresholds": {"high": high, "medium": medium}}
+        engine.add_request("r", prompt, greedy(4, ignore_eos=True), resolve(config, request, True, True))
+        return run_to_completion(engine)["r"][-1].compression_metrics
+
+    strict, seed, lenient, rate_only = held(0.99, 0.95), held(0.9, 0.7), held(0.8, 0.5), held(0.0, 0.0)
+    sizes = [m["compressed_size"] for m in (strict, seed, lenient, rate_only)]
+    assert sizes == sorted(sizes) and len(set(sizes)) == 4
+    assert all(m["compressed_size"] <= m["ceiling_size"] for m in (strict, seed, lenient, rate_only))
+    assert seed["entries"]["dropped"] > 0 and seed["entries"]["key_only"] > 0
+    assert rate_only["entries"]["dropped"] == rate_only["entries"]["key_only"] == 0  # int8 holds all under 0.6
