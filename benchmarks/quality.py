@@ -64,7 +64,7 @@ PEERS_RUNNER = Path(__file__).resolve().parent / "peers" / "kvpress_runner.py"
 POLICIES = ("dynamic", "tova", "snapkv", "h2o", "knorm", "streaming_llm", "random")
 ATTENTION_ONLY = "dynamic, attention only"  # the dynamic policy without the value predictor
 DEFAULT_ROWS = ("dynamic", ATTENTION_ONLY)
-RATE_ONLY = "dynamic, rate only"  # thresholds that never bind: the bytes the rate allows, as before they decided
+RATE_ONLY = "dynamic, rate only"  # dynamic as shipped, the rate alone deciding, in the thresholds sweep
 PPL_FORCED = 512  # the perplexity text's last tokens, teacher-forced; the rest is prefilled uncompressed
 PPL_INTERVAL = 128  # tokens between compressions in the perplexity task (kvpress's decoding press needs
 # more buffered queries than SnapKV's 64-token window; the same interval applies to every setup)
@@ -145,8 +145,8 @@ def setups(
             Setup(f"dynamic, thresholds {h:g}/{m:g}", "int8", "dynamic", rate, thresholds=(h, m))
             for h, m in thresholds or []
         ]
-    # Fixed-rate dynamic: thresholds at 0 never bind, so the rate alone decides the bytes.
-    plan += [Setup(RATE_ONLY, "int8", "dynamic", rate, thresholds=(0.0, 0.0)) for rate in fixed_rates or []]
+    # Dynamic as shipped (its thresholds do not decide) at fixed rates: the sweep's comparison at equal bytes.
+    plan += [Setup(RATE_ONLY, "int8", "dynamic", rate) for rate in fixed_rates or []]
     return plan
 
 
@@ -171,10 +171,14 @@ def request_of(setup: Setup, interval: int | None = None) -> dict:
         "kv_cache_dtype": setup.storage,
         "value_predictor": setup.value_predictor,
     }
+    options = {}
     if setup.doubt_weight is not None:
-        request["policy_options"] = {"dynamic": {"doubt_weight": setup.doubt_weight}}
+        options["doubt_weight"] = setup.doubt_weight
     if setup.thresholds is not None:
+        options["thresholds_decide"] = True
         request["thresholds"] = dict(zip(("high", "medium"), setup.thresholds, strict=True))
+    if options:
+        request["policy_options"] = {"dynamic": options}
     return {**request, "compression_interval": interval} if interval else request
 
 
@@ -516,7 +520,7 @@ COMPARED = ("needle_relative", "forced_top1", "forced_kl", "rouge_l", "perplexit
 def thresholds_section(rows: list[Row]) -> list[str]:
     """The thresholds sweep (memory per request, quality), and each point against fixed-rate dynamic
     at the same mean bytes (interpolated between the two fixed rates around it)."""
-    swept = [r for r in rows if r.setup.thresholds and r.setup.label != RATE_ONLY]
+    swept = [r for r in rows if r.setup.thresholds]
     if not swept:
         return []
     fixed = sorted((r for r in rows if r.setup.label == RATE_ONLY), key=lambda r: r.memory_kept)
@@ -524,8 +528,8 @@ def thresholds_section(rows: list[Row]) -> list[str]:
         "",
         "#### Thresholds decide, the rate is a ceiling",
         "",
-        "Memory kept per request (compressed / uncompressed bytes, over the needle and summary cases) and quality, "
-        "for dynamic at each (high, medium) pair; '" + RATE_ONLY + "' is dynamic with thresholds that never bind.",
+        "Memory kept per request (compressed / uncompressed bytes, over the needle and summary cases) and quality "
+        "for dynamic deciding by each (high, medium) pair; '" + RATE_ONLY + "' is dynamic as shipped.",
         "",
         "| setup | ceiling rate | memory kept, mean | min / median / max per request | needle | top-1 | KL | "
         "ROUGE-L | perplexity |",
@@ -575,7 +579,7 @@ def plot_memory_by_case(rows: list[Row], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [r for r in rows if r.setup.thresholds]
+    shown = [r for r in rows if r.setup.thresholds or r.setup.label == RATE_ONLY]
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(shown) + 1.5))
     for i, r in enumerate(shown):
         values = list(r.memory_by_case.values())

@@ -1,8 +1,8 @@
 """From scores to tiers: the thresholds decide where the policy gives a retention confidence, and
 the byte budget (`compression_rate`) is a ceiling.
 
-Entries of one layer are ranked best first: by retention confidence when the policy gives one, else
-by score. The most each unprotected entry may keep is its limit:
+Entries of one layer are ranked best first: by retention confidence when the policy gives one (ties
+by score), else by score. The most each unprotected entry may keep is its limit:
 - with a confidence, the thresholds of seed 002: >= high FULL, >= medium KEY_ONLY, below dropped;
   an entry that an earlier compression kept (`judged`) is dropped only below the drop line (`low`,
   default medium), and between it and high it stays as KEY_ONLY. Memory then follows the content;
@@ -53,8 +53,9 @@ def plan_tiers(
     remaining = max(budget_bytes - float(cost_now[protected].sum()), 0.0)
 
     candidates = index[~protected]
-    rank = scores if confidence is None else confidence
-    order = candidates[torch.argsort(rank[candidates], descending=True, stable=True)]
+    order = candidates[torch.argsort(scores[candidates], descending=True, stable=True)]
+    if confidence is not None:  # by confidence, ties (a calibration's flat steps) by score
+        order = order[torch.argsort(confidence[order], descending=True, stable=True)]
     ko_ranked = was_key_only[order]
     may_keep = torch.ones(order.numel(), dtype=torch.bool, device=device)
     may_full = ~ko_ranked

@@ -161,14 +161,17 @@ class Dynamic(ScorePolicy):
     entries that mattered once but no longer do can leave. The pooling keeps the neighbours of
     attended tokens (facts span several tokens). Tokens the model sampled with low confidence
     mark points where the text could have gone another way; they get up to `doubt_weight` more.
-    The retention confidence is that score as a calibrated probability of being needed
-    (`compression.predictor.calibration`); without a fitted calibration the rate alone decides.
+    Its retention confidence is that score as a calibrated probability of being needed
+    (`compression.predictor.calibration`). With `thresholds_decide` the thresholds turn it into
+    tiers under the rate's ceiling (off by default: at equal bytes a fixed rate keeps more fidelity
+    on the quality benchmark, and judging every layer at every compression costs decode time); without a
+    fitted calibration the rate alone decides either way.
     """
 
     name = "dynamic"
     uses_tiers = True
     uses_predictor = True
-    thresholds_decide = True
+    thresholds_decide: bool = False  # a field here: requests may turn it on (policy_options)
     decay: float = 0.95  # per observation
     kernel_size: int = 3
     doubt_weight: float = 0.5
@@ -188,9 +191,11 @@ class Dynamic(ScorePolicy):
         """P(needed) of the score over the average held entry's value: pooling takes the larger of
         neighbours' scores, so an entry's confidence is its own or its likeliest neighbour's."""
         calibration = entries.calibration
-        average = calibration.average(entries.value) if calibration is not None else 0.0
+        if not self.thresholds_decide or calibration is None:
+            return None
+        average = calibration.average(entries.value)
         if average <= 0.0:
-            return None  # no calibration, or nothing observed yet: the rate decides
+            return None  # nothing observed yet: the rate decides
         return calibration(scores / average)
 
     def target_rate(self, rate: float, recent_confidence: list[float]) -> float:

@@ -85,7 +85,7 @@ def entries(attention: list[float], calibration: Calibration | None, confidence:
 
 
 def test_dynamic_turns_its_score_into_the_calibrated_probability():
-    policy = make_policy("dynamic", {"kernel_size": 1})
+    policy = make_policy("dynamic", {"kernel_size": 1, "thresholds_decide": True})
     table = Calibration("attention", 0.5, 128, (0.0, 1.0, 4.0), (0.0, 0.5, 1.0))
     layer = entries([0.0, 1.0, 2.0, 5.0], table)  # mean 2: relative 0, 0.5, 1, 2.5
     retention = policy.retention(layer, policy.score(layer))
@@ -95,6 +95,8 @@ def test_dynamic_turns_its_score_into_the_calibrated_probability():
     assert (policy.retention(doubtful, policy.score(doubtful))[1:] > retention[1:]).all()
     assert policy.retention(entries([1.0, 2.0], None), torch.ones(2)) is None
     assert policy.retention(entries([0.0, 0.0], table), torch.zeros(2)) is None
+    # As shipped, dynamic's thresholds do not decide: it gives no confidence.
+    assert make_policy("dynamic").retention(layer, policy.score(layer)) is None
 
 
 def test_a_forecast_is_measured_against_the_windows_average_share():
@@ -111,8 +113,8 @@ def test_the_default_model_ships_a_calibration_for_both_sources(default_model):
 
 
 def test_dynamics_thresholds_decide_its_memory_on_the_default_model(default_model, tokenizer):
-    """With the shipped predictor and calibration: stricter thresholds hold fewer bytes, all under
-    the ceiling, and thresholds at 0 leave the rate alone to decide."""
+    """With the shipped predictor and calibration, once its thresholds decide: stricter thresholds
+    hold fewer bytes, all under the ceiling; as shipped, the rate alone decides."""
     from app.engine import EngineConfig, LLMEngine, run_to_completion
     from benchmarks.corpus import paragraphs
     from compression.config import CompressionConfig, resolve
@@ -123,13 +125,15 @@ def test_dynamics_thresholds_decide_its_memory_on_the_default_model(default_mode
     future_value = load_future_value(predictor_path(None), default_model.config, torch.device("cpu"), 4)
     prompt = tokenizer(" ".join(paragraphs()[:8])).input_ids[:400]
 
-    def held(high: float, medium: float) -> dict:
+    def held(high: float | None = None, medium: float | None = None) -> dict:
         engine = LLMEngine(default_model, tokenizer, EngineConfig(max_cache_bytes=2**30), config, future_value)
-        request = {"compression_rate": 0.6, "thresholds": {"high": high, "medium": medium}}
+        request = {"compression_rate": 0.6, "thresholds": {"high": high or 0.0, "medium": medium or 0.0}}
+        if high is not None:
+            request["policy_options"] = {"dynamic": {"thresholds_decide": True}}
         engine.add_request("r", prompt, greedy(4, ignore_eos=True), resolve(config, request, True, True))
         return run_to_completion(engine)["r"][-1].compression_metrics
 
-    strict, seed, lenient, rate_only = held(0.99, 0.95), held(0.9, 0.7), held(0.8, 0.5), held(0.0, 0.0)
+    strict, seed, lenient, rate_only = held(0.99, 0.95), held(0.9, 0.7), held(0.8, 0.5), held()
     sizes = [m["compressed_size"] for m in (strict, seed, lenient, rate_only)]
     assert sizes == sorted(sizes) and len(set(sizes)) == 4
     assert all(m["compressed_size"] <= m["ceiling_size"] for m in (strict, seed, lenient, rate_only))
