@@ -40,18 +40,19 @@ def forecasts(predictor: ValuePredictor, windows: torch.Tensor) -> torch.Tensor:
     return unscaled_attention(torch.cat([predictor(w) for w in windows.split(65536)]).float())
 
 
-def relative_values(traces: dict[str, torch.Tensor], forecast: torch.Tensor, policy: Dynamic, window: int):
+def relative_values(
+    traces: dict[str, torch.Tensor], forecast: torch.Tensor, policy: Dynamic, window: int
+) -> dict[Source, torch.Tensor]:
     """By source: each sample's value as `policy` scores it, over the average held entry's (unpooled:
     traces sample entries apart from their neighbours)."""
     latest = traces["windows"][:, -1]
     doubt = policy.doubt(latest[:, FEATURES.index("token_confidence")])
     held = traces["held"].float()
     decayed = unscaled_attention(latest[:, FEATURES.index("attention_decayed")])
-    by_source: dict[Source, torch.Tensor] = {
+    return {
         "forecast": forecast * held / window * doubt,
         "attention": decayed * held / traces["decayed_total"].clamp(min=1e-12) * doubt,
     }
-    return by_source
 
 
 def outcomes(traces: dict[str, torch.Tensor], window: int, share: float) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from functools import cache
 from pathlib import Path
 from typing import Literal
 
@@ -45,14 +46,19 @@ class Calibration:
 
     def __call__(self, relative: torch.Tensor) -> torch.Tensor:
         """P(needed) for entries whose value is `relative` x the average, interpolated between knots."""
-        knots = torch.tensor(self.knots, dtype=torch.float32, device=relative.device)
-        probabilities = torch.tensor(self.probabilities, dtype=torch.float32, device=relative.device)
+        knots, probabilities = _table(self.knots, self.probabilities, relative.device)
         x = relative.float().clamp(knots[0], knots[-1])
         right = torch.searchsorted(knots, x).clamp(1, len(knots) - 1)
         x0, x1 = knots[right - 1], knots[right]
         p0, p1 = probabilities[right - 1], probabilities[right]
         weight = torch.where(x1 > x0, (x - x0) / (x1 - x0).clamp(min=1e-12), torch.ones_like(x))
         return p0 + weight * (p1 - p0)
+
+
+@cache
+def _table(knots: tuple[float, ...], probabilities: tuple[float, ...], device: torch.device) -> tuple:
+    """A table's knots and probabilities as tensors, made once per device (read at every layer)."""
+    return tuple(torch.tensor(v, dtype=torch.float32, device=device) for v in (knots, probabilities))
 
 
 def needed(future_mass: torch.Tensor, held: torch.Tensor, window: int, share: float) -> torch.Tensor:
