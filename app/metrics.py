@@ -176,6 +176,12 @@ class _EngineCollector(Collector):
         for storage, nbytes in self.store.pool_bytes.items():
             pools.add_metric([storage], nbytes)
         yield pools
+        yield GaugeMetricFamily(
+            "kv_prefix_cache_bookkeeping_bytes",
+            "Host memory of the parked caches' block tables, positions and key norms, beside their blocks "
+            '(counted in kv_cache_bytes{pool="prefix"})',
+            self.store.parked_bookkeeping_bytes,
+        )
         evictions = CounterMetricFamily(
             "kv_evictions", "(layer, token) KV entries removed from memory, by reason", labels=["reason"]
         )

@@ -18,7 +18,9 @@ tables leave the slot, its blocks stay) and a later one adopts a prefix of it by
 blocks by reference: only a partial last block is copied, since the adopter appends after it.
 
 The budget counts every block in use, once however many tables share it, at its full size: waste
-is at most one partial block per table. Positions and observations are bookkeeping, not counted.
+is at most one partial block per table. A running slot's bookkeeping is allocated with the slots
+and not counted; a parked cache's (its tables, positions and key norms) grows with what the prefix
+cache holds, so it is counted with the parked blocks.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from compression.paged_attention import DecodeBatch
 
 BLOCK_SIZE = 16
 KEYS, VALUES, KEY_ONLY = 0, 1, 2  # the three tables of a (sequence, layer)
+# What a parked cache keeps of its bookkeeping: what adoption reads. Observations and forecasts
+# answered the parking request's questions; an adopter starts them afresh.
+PARKED_META = {"positions": torch.int32, "key_norm": torch.float16}
 
 
 class KVBudgetExceeded(RuntimeError):
@@ -85,6 +90,12 @@ class ParkedKV:
     lengths: np.ndarray  # [layers] entries held
     key_only: np.ndarray  # [layers] KEY_ONLY entries
     meta: dict[str, torch.Tensor]  # bookkeeping rows [layers, ...]
+
+    @property
+    def bookkeeping_bytes(self) -> int:
+        """Host memory beside the blocks: tables, lengths and bookkeeping rows."""
+        arrays = [t for layers in self.tables for t in layers] + [self.lengths, self.key_only]
+        return sum(a.nbytes for a in arrays) + sum(t.nbytes for t in self.meta.values())
 
     def holds_every_entry(self, num_tokens: int) -> bool:
         """Every entry of its `num_tokens` tokens, as stored: nothing dropped, no value quantised
@@ -146,6 +157,7 @@ class KVStore:
         self.key_only = np.zeros((num_layers, 0), dtype=np.int32)
         self.meta: dict[str, torch.Tensor] = {}
         self._grow_meta(0, 64)
+        self.parked_bookkeeping_bytes = 0  # of the parked caches alive
 
     def make_codec(self, storage: torch.dtype | str | None) -> Codec:
         """A codec for `storage`: None or "auto" is the model's dtype; a float dtype name; "int8"; "int4"."""
@@ -193,8 +205,9 @@ class KVStore:
 
     @property
     def used_bytes(self) -> int:
-        """Every block in use, running or parked."""
-        return sum((pool.num_blocks - len(pool.free_ids)) * pool.block_bytes for pool in self.pools.values())
+        """Every block in use, running or parked, and the parked caches' bookkeeping."""
+        blocks = sum((pool.num_blocks - len(pool.free_ids)) * pool.block_bytes for pool in self.pools.values())
+        return blocks + self.parked_bookkeeping_bytes
 
     @property
     def running_bytes(self) -> int:
@@ -212,7 +225,7 @@ class KVStore:
 
     @property
     def parked_bytes(self) -> int:
-        """Blocks that only parked caches (the prefix cache) hold."""
+        """Blocks that only parked caches (the prefix cache) hold, and their bookkeeping."""
         return self.used_bytes - self.running_bytes
 
     @property
@@ -431,7 +444,8 @@ class KVStore:
         if seq_id not in self._slots:
             return None
         slot = self._slots[seq_id]
-        parked = self._snapshot(slot, own_meta=True)
+        parked = self._snapshot(slot, PARKED_META)
+        self.parked_bookkeeping_bytes += parked.bookkeeping_bytes
         self.num_blocks[:, :, slot] = 0  # the references move to the parked cache
         self._close_slot(seq_id)
         return parked
@@ -441,12 +455,13 @@ class KVStore:
         blocks are shared by reference, each table's partial last block is copied (the sequence
         goes on writing into its own). None when the copies do not fit in the budget."""
         slot = self._slots[seq_id]
-        parked = self._snapshot(slot, own_meta=True)
+        parked = self._snapshot(slot, PARKED_META)
         counts = (parked.lengths, parked.lengths - parked.key_only, parked.key_only)  # entries per table kind
         pools = (self._slot_pool[slot], self._slot_pool[slot], self.key_only_pool)
         partial = {(kind, int(layer)) for kind in range(3) for layer in np.flatnonzero(counts[kind] % self.block_size)}
-        if sum(pools[kind].block_bytes for kind, _ in partial) > self.free_bytes:
+        if sum(pools[kind].block_bytes for kind, _ in partial) + parked.bookkeeping_bytes > self.free_bytes:
             return None
+        self.parked_bookkeeping_bytes += parked.bookkeeping_bytes
         copies: dict[bool, list[tuple[int, int]]] = {}  # key-only pool or not -> (block, its copy) pairs
         for kind, layers in enumerate(parked.tables):
             for layer, table in enumerate(layers):
@@ -467,6 +482,7 @@ class KVStore:
         """Give back a parked cache's references; return the bytes that became free."""
         before = self.used_bytes
         self._unref_tables(self.pools[parked.codec.name], parked.tables)
+        self.parked_bookkeeping_bytes -= parked.bookkeeping_bytes
         self.evicted_entries["prefix_cache"] += int(parked.lengths.sum())
         return before - self.used_bytes
 
@@ -587,11 +603,15 @@ class KVStore:
         """Pool rows of the first n entries of one table of a running slot."""
         return _tensor(_entry_rows(self.tables[kind, layer, slot], np.arange(n), self.block_size), self.device)
 
-    def _snapshot(self, slot: int, own_meta: bool = False) -> ParkedKV:
+    def _snapshot(self, slot: int, own: dict[str, torch.dtype] | None = None) -> ParkedKV:
         """A running slot's cache as a parked one holds it: tables copied, bookkeeping as views of the
-        slot's rows, or (`own_meta`) copied up to its longest layer, to outlive the slot."""
-        n = int(self.lengths[:, slot].max())
-        meta = {name: t[:, slot, ..., :n].clone() if own_meta else t[:, slot] for name, t in self.meta.items()}
+        slot's rows, or only the rows named in `own`, copied at their dtype up to the longest layer,
+        to outlive the slot."""
+        if own is None:
+            meta = {name: t[:, slot] for name, t in self.meta.items()}
+        else:
+            n = int(self.lengths[:, slot].max())
+            meta = {name: t[:, slot, ..., :n].to(own[name], copy=True) for name, t in self.meta.items() if name in own}
         return ParkedKV(
             codec=self._slot_pool[slot].codec,
             tables=[
@@ -677,7 +697,7 @@ class KVStore:
             for name, t in source.meta.items():
                 held = t[layer_index]  # [layers, ..., entries]
                 gather = rows.view(len(layers), *[1] * (held.dim() - 2), width).expand(*held.shape[:-1], width)
-                self.meta[name][layer_index, slot, ..., :width] = held.gather(-1, gather)
+                self.meta[name][layer_index, slot, ..., :width] = held.gather(-1, gather).to(self.meta[name].dtype)
         self.lengths[layers, slot] = [len(order) for order, _ in orders]
         self.key_only[layers, slot] = [n_ko for _, n_ko in orders]
 

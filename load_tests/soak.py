@@ -29,12 +29,13 @@ RESULTS = ROOT / "load_tests" / "results"
 
 
 def kv_pools(url: str) -> tuple[dict[str, float], float]:
-    """KV bytes held by pool (running, prefix, audit), and the memory of the block pools and audit buffers."""
+    """KV bytes held by pool (running, prefix, audit), and the memory of the block pools, the parked
+    caches' bookkeeping and the audit buffers."""
     pools, blocks = {}, 0.0
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
         if line.startswith('kv_cache_bytes{pool="'):
             pools[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith("kv_cache_pool_bytes{"):
+        elif line.startswith(("kv_cache_pool_bytes{", "kv_prefix_cache_bookkeeping_bytes ")):
             blocks += float(line.rsplit(" ", 1)[1])
     return pools, blocks + pools.get("audit", 0.0)
 

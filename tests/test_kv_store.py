@@ -22,7 +22,7 @@ def make_store(max_bytes: int = 10**7, storage=None, history_steps: int = 0) -> 
 
 def check_references(store: KVStore, parked: list[ParkedKV] = ()) -> None:
     """Every block's reference count is the number of tables (running or parked) that hold it, and
-    the account is the blocks in use."""
+    the account is the blocks in use and the parked caches' bookkeeping."""
     expected = {name: Counter() for name in store.pools}
     for slot, pool in store._slot_pool.items():
         for kind in range(3):
@@ -40,7 +40,7 @@ def check_references(store: KVStore, parked: list[ParkedKV] = ()) -> None:
         assert held == dict(expected[name]), name
         assert sorted(pool.free_ids) == [b for b, r in enumerate(pool.refs) if r == 0]
         used += len(held) * pool.block_bytes
-    assert store.used_bytes == used
+    assert store.used_bytes == used + sum(cache.bookkeeping_bytes for cache in parked)
 
 
 def test_write_view_roundtrip():
@@ -118,7 +118,8 @@ def test_sharing_a_running_cache_copies_only_partial_blocks_and_survives_its_com
     fill(store, 1, 40)
     before = store.used_bytes
     parked = store.share(1)  # 2 whole blocks shared per table, the partial third one copied
-    assert store.used_bytes == before + store.num_layers * 2 * store.block_bytes(store.make_codec("int8"))
+    copies = store.num_layers * 2 * store.block_bytes(store.make_codec("int8"))
+    assert store.used_bytes == before + copies + parked.bookkeeping_bytes
     assert parked.holds_every_entry(40)
     check_references(store, [parked])
     store.retier(1, {layer: mixed_keep(store, 1, layer, 0) for layer in range(3)})
@@ -239,3 +240,24 @@ def test_the_predictors_bookkeeping_follows_its_entries_through_compaction_and_g
 
 def store_key_norm(position: int) -> float:
     return float(torch.full((4,), float(position)).norm())  # fill(): every component of key p is p
+
+
+def test_a_parked_cache_keeps_only_what_adoption_reads_and_counts_it_in_the_budget():
+    store = make_store(history_steps=2)
+    fill(store, 1, 40)
+    store.layer(1, 0).forecast[:40] = 1.0
+    store.layer(1, 0).attention[:40] = 1.0
+    blocks = store.used_bytes
+    parked = store.park(1)
+    # Its observations answered its own questions; positions and key norms are what an adopter needs.
+    assert set(parked.meta) == {"positions", "key_norm"} and parked.meta["positions"].dtype == torch.int32
+    assert parked.bookkeeping_bytes >= 3 * 40 * (4 + 2)
+    assert store.used_bytes == store.parked_bytes == blocks + parked.bookkeeping_bytes
+    check_references(store, [parked])
+    store.adopt(2, parked, 36)
+    kv = store.layer(2, 0)
+    assert kv.positions[: kv.length].tolist() == list(range(36))
+    assert kv.key_norm[: kv.length].tolist() == pytest.approx([store_key_norm(p) for p in range(36)], rel=1e-2)
+    assert not kv.attention[: kv.length].any() and kv.forecast[: kv.length].isnan().all()
+    store.free(2)
+    assert store.discard(parked) == blocks + parked.bookkeeping_bytes and store.used_bytes == 0

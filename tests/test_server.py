@@ -303,7 +303,8 @@ def test_chat_turn_two_reuses_turn_one_from_the_prefix_cache(server):
     turn1 = [{"role": "user", "content": "List three fruits, one per line."}]
     first = post(server, {"messages": turn1, "max_tokens": 24, "temperature": 0}).json()
     hits = server.metric("kv_prefix_cache_hits_total")  # turn 1 may reuse the chat template's system prompt
-    assert server.metric("kv_cache_bytes", '{pool="prefix"}') > 0  # turn 1 stays parked
+    parked = server.metric("kv_cache_bytes", '{pool="prefix"}')  # turn 1 stays parked, its bookkeeping counted
+    assert parked > server.metric("kv_prefix_cache_bookkeeping_bytes") > 0
     turn2 = [*turn1, {"role": "assistant", "content": first["text"]}, {"role": "user", "content": "And vegetables?"}]
     second = post(server, {"messages": turn2, "max_tokens": 8, "temperature": 0, "compression_stats": True}).json()
     # All of turn 1 is reused but the last 32 prompt tokens, which compression observes, and which
