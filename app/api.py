@@ -167,7 +167,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.post("/generate", response_model=GenerateResponse, response_model_exclude_none=True)
     async def generate(body: GenerateRequest, request: Request, service: Annotated[GenerateService, Depends(_service)]):
-        prepared = service.prepare(body)
+        prepared = await service.prepare(body)
         if body.stream:
             return service.event_stream(prepared, service.stream(prepared))
         return await service.generate(prepared, request)

@@ -32,7 +32,7 @@ async def models(service: Service) -> ModelList:
 
 @router.post("/completions", response_model=CompletionResponse, response_model_exclude_none=True)
 async def completions(body: CompletionRequest, request: Request, service: Service):
-    prepared = service.prepare_completion(body)
+    prepared = await service.prepare_completion(body)
     if body.stream:
         return service.completion_stream(body, prepared)
     return await service.completion(body, prepared, request)
@@ -40,7 +40,7 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
 
 @router.post("/chat/completions", response_model=ChatCompletionResponse, response_model_exclude_none=True)
 async def chat_completions(body: ChatCompletionRequest, request: Request, service: Service):
-    prepared = service.prepare_chat(body)
+    prepared = await service.prepare_chat(body)
     if body.stream:
         return service.chat_stream(body, prepared)
     return await service.chat(body, prepared, request)

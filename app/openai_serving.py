@@ -56,10 +56,10 @@ class OpenAIService:
         return ModelList(data=[card])
 
     # ----- completions -------------------------------------------------------------------
-    def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
+    async def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
         prompt = {"prompt": req.prompt} if isinstance(req.prompt, str) else {"prompt_token_ids": req.prompt}
         try:
-            return self._prepare(req, req.max_tokens, req.logprobs, "cmpl", **prompt)
+            return await self._prepare(req, req.max_tokens, req.logprobs, "cmpl", **prompt)
         except APIError as exc:
             exc.param = "prompt" if exc.param == "prompt_token_ids" else exc.param  # the field's name here
             raise
@@ -85,10 +85,10 @@ class OpenAIService:
         return self.service.event_stream(prepared, self._stream(CompletionChunk, req, prepared, choice))
 
     # ----- chat completions --------------------------------------------------------------
-    def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
+    async def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
         messages = [ChatMessage(role=_ROLES.get(m.role, m.role), content=m.text) for m in req.messages]
         top = (req.top_logprobs or 0) if req.logprobs else None
-        return self._prepare(req, req.max_completion_tokens or req.max_tokens, top, "chatcmpl", messages=messages)
+        return await self._prepare(req, req.max_completion_tokens or req.max_tokens, top, "chatcmpl", messages=messages)
 
     async def chat(
         self, req: ChatCompletionRequest, prepared: PreparedRequest, http: Request
@@ -113,7 +113,7 @@ class OpenAIService:
         return self.service.event_stream(prepared, self._stream(ChatCompletionChunk, req, prepared, choice, opening))
 
     # ----- internals ---------------------------------------------------------------------
-    def _prepare(
+    async def _prepare(
         self, req: _SamplingRequest, max_tokens: int | None, logprobs: int | None, prefix: str, **prompt
     ) -> PreparedRequest:
         if req.model != self.model_name:
@@ -134,7 +134,7 @@ class OpenAIService:
             ignore_eos=req.ignore_eos,
             timeout=req.timeout,
         )
-        return self.service.prepare(generate, logprobs=logprobs, id_prefix=prefix)
+        return await self.service.prepare(generate, logprobs=logprobs, id_prefix=prefix)
 
     def _build(self, cls: type[_Built], prepared: PreparedRequest, choices: list, **extra) -> _Built:
         return cls(id=prepared.request_id, created=int(time.time()), model=self.model_name, choices=choices, **extra)

@@ -66,8 +66,14 @@ class GenerateService:
         # engine first sees the request: a burst is admitted before any of its requests has started.
         self.admitted: dict[str, int] = {}
 
-    def prepare(self, req: GenerateRequest, logprobs: int | None = None, id_prefix: str = "gen") -> PreparedRequest:
-        """Tokenize and check a request; raise APIError if it cannot be served."""
+    async def prepare(
+        self, req: GenerateRequest, logprobs: int | None = None, id_prefix: str = "gen"
+    ) -> PreparedRequest:
+        """Tokenize and check a request; raise APIError if it cannot be served.
+
+        Tokenizing a long prompt takes a while (about a second per 300k characters): it runs in a
+        worker thread (the tokenizer releases the GIL), so that the event loop goes on streaming
+        other requests' tokens meanwhile. The request holds its place in the queue while it waits."""
         arrival = time.monotonic()
         if self.draining:
             self._refuse(503)
@@ -76,7 +82,21 @@ class GenerateService:
         if len(self.admitted) >= self.settings.max_queue_size + self.settings.max_num_seqs:
             self._refuse(503)
             raise APIError(503, "overloaded", "the request queue is full; retry later", {"Retry-After": "1"})
-        ids = self._tokenize(req)
+        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.admitted[request_id] = 0
+        try:
+            ids = await asyncio.to_thread(self._tokenize, req)
+            prepared = self._check(req, ids, logprobs, request_id, arrival)
+        except BaseException:
+            self.admitted.pop(request_id, None)
+            raise
+        self.admitted[request_id] = len(ids)
+        return prepared
+
+    def _check(
+        self, req: GenerateRequest, ids: list[int], logprobs: int | None, request_id: str, arrival: float
+    ) -> PreparedRequest:
+        """The checks that need the prompt's tokens; the request to run if it passes them."""
         pending_tokens = sum(self.admitted.values())
         if pending_tokens and pending_tokens + len(ids) > self.settings.max_queue_tokens:
             self._refuse(503)
@@ -125,9 +145,7 @@ class GenerateService:
             logprobs=logprobs,
             deadline=_deadline(arrival, req.timeout or self.settings.request_timeout),
         )
-        prepared = PreparedRequest(f"{id_prefix}-{uuid.uuid4().hex}", ids, params, compression, arrival)
-        self.admitted[prepared.request_id] = len(ids)
-        return prepared
+        return PreparedRequest(request_id, ids, params, compression, arrival)
 
     def release(self, prepared: PreparedRequest) -> None:
         """Give back an accepted request's place in the queue; safe to call more than once."""

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from app.api import create_app
 from app.settings import Settings
-from tests.helpers import tiny_model
+from tests.helpers import LiveServer, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -50,3 +54,38 @@ def test_malformed_and_non_utf8_bodies_get_4xx_in_our_error_shape(tiny_model_dir
         assert client.get("/nowhere").json()["error"]["type"] == "not_found"
         r = client.post("/v1/completions", content=b'{"model": "x", "prompt": "\xff"}', headers=json_type)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_other_streams_keep_flowing_while_a_long_prompt_is_tokenized(tiny_model_dir):
+    """Tokenizing ~1M characters takes seconds; meanwhile the event loop goes on streaming another
+    request's tokens (the tiny model decodes one every few milliseconds)."""
+    words = [f"{word}{i}" for i in range(1000) for word in ("alpha", "beta", "gamma", "delta")]
+    huge = " ".join(words[(7 * i) % len(words)] for i in range(150_000))[:1_000_000]  # under the 1 MiB body limit
+    server = LiveServer("--model-path", str(tiny_model_dir), "--max-cache-size", "64")
+    arrivals: list[float] = []
+    body = {"prompt": "Hello there", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    def stream() -> None:  # one streamed request after another, until told to stop
+        while not stop.is_set():
+            with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=300) as r:
+                arrivals.extend(time.monotonic() for line in r.iter_lines() if line.startswith("data:"))
+
+    stop = threading.Event()
+    streaming = threading.Thread(target=stream)
+    try:
+        streaming.start()
+        while len(arrivals) < 10:
+            time.sleep(0.01)
+        started = time.monotonic()
+        refused = httpx.post(f"{server.url}/generate", json={"prompt": huge, "max_tokens": 1}, timeout=300)
+        finished = time.monotonic()
+        stop.set()
+        streaming.join(60)
+    finally:
+        server.stop()
+    # ~450k tokens: refused once tokenized (over the context, or over the queue's token budget).
+    assert refused.status_code in (413, 503), refused.text
+    assert finished - started > 1.0, "tokenizing took too little time to show anything"
+    during = [started, *(t for t in arrivals if started < t < finished), finished]
+    assert len(during) > 10, "the stream delivered (almost) nothing while the long prompt was tokenized"
+    assert max(b - a for a, b in zip(during, during[1:], strict=False)) < (finished - started) / 2
