@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -13,6 +18,7 @@ import yaml
 from tests.helpers import ROOT, free_port
 
 PROMETHEUS_DIR = ROOT / "prometheus"
+RULE_COUNT = 17  # alerts and recording rules
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
@@ -22,19 +28,20 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
 def test_config_and_rules_pass_promtool_check():
     result = promtool("check", "config", "prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "7 rules found" in result.stdout
+    assert f"{RULE_COUNT} rules found" in result.stdout
 
 
 def test_every_alert_rule_fires_and_stays_quiet_as_unit_tested():
     result = promtool("test", "rules", "alert_rules_test.yaml")
     assert result.returncode == 0, result.stdout + result.stderr
-    tested = {
-        t["alertname"]
-        for case in yaml.safe_load((PROMETHEUS_DIR / "alert_rules_test.yaml").read_text())["tests"]
-        for t in case["alert_rule_test"]
-    }
-    rules = yaml.safe_load((PROMETHEUS_DIR / "alert_rules.yaml").read_text())["groups"]
-    assert tested == {rule["alert"] for group in rules for rule in group["rules"]}
+    cases = yaml.safe_load((PROMETHEUS_DIR / "alert_rules_test.yaml").read_text())["tests"]
+    tested = {t["alertname"] for case in cases for t in case["alert_rule_test"]}
+    assert tested == {rule["alert"] for rule in alert_rules()}
+
+
+def alert_rules() -> list[dict]:
+    groups = yaml.safe_load((PROMETHEUS_DIR / "alert_rules.yaml").read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"] if "alert" in rule]
 
 
 def test_seed_high_memory_rule_is_kept_as_written():
@@ -47,40 +54,78 @@ def test_seed_high_memory_rule_is_kept_as_written():
         "annotations": {
             "summary": "KV缓存内存占用超过阈值",
             "description": "当前占用 {{ $value }}GB，可能影响服务稳定性",
+            "runbook_url": "README.md#highmemoryusage",  # the one addition
         },
     }
 
 
-class Prometheus:
-    """The Prometheus binary on loopback, with the repo's config aimed at one server and sped up."""
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lstrip("#").strip().lower())
+    return text.replace(" ", "-")
 
-    def __init__(self, target: str, workdir: Path) -> None:
-        config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
-        config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
-        config["rule_files"] = [str(PROMETHEUS_DIR / name) for name in config["rule_files"]]
-        config["scrape_configs"][0]["static_configs"] = [{"targets": [target]}]
-        path = workdir / "prometheus.yml"
-        path.write_text(yaml.safe_dump(config))
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.log = open(workdir / "prometheus.log", "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [
-                "prometheus",
-                f"--config.file={path}",
-                f"--storage.tsdb.path={workdir / 'data'}",
-                f"--web.listen-address={self.url.removeprefix('http://')}",
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        self.wait_for(lambda: httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200, "ready", 60)
 
-    def query(self, expr: str) -> list[dict]:
-        body = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10).json()
-        assert body["status"] == "success", body
-        return body["data"]["result"]
+def test_every_alert_links_a_readme_runbook_that_says_what_to_check_and_change():
+    readme = (ROOT / "README.md").read_text()
+    sections = {}
+    for section in re.split(r"\n(?=#{2,4} )", readme):
+        heading, _, body = section.partition("\n")
+        sections[github_anchor(heading)] = body
+    for rule in alert_rules():
+        url = rule["annotations"]["runbook_url"]
+        assert url == f"README.md#{rule['alert'].lower()}", rule["alert"]
+        body = sections.get(url.split("#")[1])
+        assert body is not None, f"{rule['alert']}: README has no section {url}"
+        for part in ("**Means**", "**Check first**", "**Change**"):
+            assert part in body, f"{rule['alert']}: its runbook lacks {part}"
 
-    def wait_for(self, check, what: str, timeout: float = 30) -> None:
+
+def amtool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["amtool", *args], cwd=PROMETHEUS_DIR, capture_output=True, text=True, timeout=60)
+
+
+def test_alertmanager_config_passes_amtool_and_pages_only_on_what_matters():
+    result = amtool("check-config", "alertmanager.yml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 inhibit rules" in result.stdout and "3 receivers" in result.stdout
+    routed = {}
+    for rule in alert_rules():
+        labels = [f"{k}={v}" for k, v in {"alertname": rule["alert"], **rule["labels"]}.items()]
+        result = amtool("config", "routes", "test", "--config.file=alertmanager.yml", *labels)
+        assert result.returncode == 0, result.stdout + result.stderr
+        routed[rule["alert"]] = result.stdout.strip()
+    pages = {
+        "TimePerOutputTokenSLOBreach",
+        "TimeToFirstTokenSLOBreach",
+        "KVRunningNearBudget",
+        "FrequentPreemptions",
+        "HighServerErrorRate",
+        "EngineLoopStalled",
+        "ConfKVDown",
+        "FrequentOOMErrors",
+    }
+    assert {name for name, receiver in routed.items() if receiver == "pager"} == pages
+    assert routed["HighMemoryUsage"] == "log"  # critical as the seed wrote it, but never a page
+    assert routed["HighMeanRequestLatency"] == routed["LowPrefixCacheHitRate"] == "log"
+    assert routed["LatencySLOMet"] == "discard"
+    config = yaml.safe_load((PROMETHEUS_DIR / "alertmanager.yml").read_text())
+    assert config["route"]["group_by"] == ["instance"]
+    inhibit = config["inhibit_rules"][0]
+    assert inhibit["source_matchers"] == ['alertname="LatencySLOMet"'] and inhibit["equal"] == ["instance"]
+
+
+class _Process:
+    """A real binary on loopback at `address`, its output in a log file under the test's folder."""
+
+    name = ""
+
+    def __init__(self, args: list[str], workdir: Path, address: str, ready: Callable[[str], bool]) -> None:
+        self.url = f"http://{address}"
+        self.log = open(workdir / f"{self.name}.log", "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        self.wait_for(lambda: ready(self.url), "ready", 60)
+
+    def wait_for(self, check: Callable[[], object], what: str, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -89,9 +134,10 @@ class Prometheus:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise AssertionError(
-            f"Prometheus: {what} not seen in {timeout}s; log:\n{Path(self.log.name).read_text()[-3000:]}"
-        )
+        raise AssertionError(f"{self.name}: {what} not seen in {timeout}s; log:\n{self.log_text()[-3000:]}")
+
+    def log_text(self) -> str:
+        return Path(self.log.name).read_text()
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -99,9 +145,95 @@ class Prometheus:
         self.log.close()
 
 
+class Prometheus(_Process):
+    """The repo's config aimed at the given servers and Alertmanager, scraping and evaluating every second."""
+
+    name = "prometheus"
+
+    def __init__(self, targets: list[str], workdir: Path, rules: Path | None = None, alertmanager: str = "") -> None:
+        config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
+        config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+        config["rule_files"] = [str(rules)] if rules else [str(PROMETHEUS_DIR / f) for f in config["rule_files"]]
+        config["scrape_configs"][0]["static_configs"] = [{"targets": targets}]
+        if alertmanager:
+            config["alerting"]["alertmanagers"][0]["static_configs"] = [{"targets": [alertmanager]}]
+        else:
+            del config["alerting"]
+        path = workdir / "prometheus.yml"
+        path.write_text(yaml.safe_dump(config))
+        address = f"127.0.0.1:{free_port()}"
+        args = [
+            "prometheus",
+            f"--config.file={path}",
+            f"--storage.tsdb.path={workdir / 'prometheus-data'}",
+            f"--web.listen-address={address}",
+        ]
+        super().__init__(args, workdir, address, _ready)
+
+    def query(self, expr: str) -> list[dict]:
+        body = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10).json()
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+
+class WebhookLog(_Process):
+    """prometheus/webhook_log.py, the receiver docker-compose gives Alertmanager by default."""
+
+    name = "webhook-log"
+
+    def __init__(self, workdir: Path) -> None:
+        port = free_port()
+        args = [sys.executable, str(PROMETHEUS_DIR / "webhook_log.py"), "--host", "127.0.0.1", "--port", str(port)]
+        ready = lambda url: httpx.post(url, content=b"{}", timeout=2).status_code == 200  # noqa: E731
+        super().__init__(args, workdir, f"127.0.0.1:{port}", ready)
+
+
+class Alertmanager(_Process):
+    """The repo's Alertmanager config, notifying at once (1 s group wait and interval) into `webhook`."""
+
+    name = "alertmanager"
+
+    def __init__(self, workdir: Path, webhook: str) -> None:
+        config = yaml.safe_load((PROMETHEUS_DIR / "alertmanager.yml").read_text())
+        config["route"] |= {"group_wait": "1s", "group_interval": "1s"}
+        for receiver in config["receivers"]:
+            for hook in receiver.get("webhook_configs", []):
+                hook["url"] = webhook + urlsplit(hook["url"]).path
+        path = workdir / "alertmanager.yml"
+        path.write_text(yaml.safe_dump(config))
+        address = f"127.0.0.1:{free_port()}"
+        args = [
+            shutil.which("alertmanager") or "prometheus-alertmanager",  # Debian's name for it
+            f"--config.file={path}",
+            f"--storage.path={workdir / 'alertmanager-data'}",
+            f"--web.listen-address={address}",
+            "--cluster.listen-address=",  # a single instance: no gossip port to collide with
+        ]
+        super().__init__(args, workdir, address, _ready)
+
+    def alerts(self) -> list[dict]:
+        return httpx.get(f"{self.url}/api/v2/alerts", timeout=10).json()
+
+
+def _ready(url: str) -> bool:
+    return httpx.get(f"{url}/-/ready", timeout=2).status_code == 200
+
+
+def fast_rules(workdir: Path) -> Path:
+    """alert_rules.yaml with every `for` cut to 2 s: the same expressions, labels and annotations."""
+    groups = yaml.safe_load((PROMETHEUS_DIR / "alert_rules.yaml").read_text())
+    for group in groups["groups"]:
+        for rule in group["rules"]:
+            if "for" in rule:
+                rule["for"] = "2s"
+    path = workdir / "alert_rules.yaml"
+    path.write_text(yaml.safe_dump(groups, allow_unicode=True))
+    return path
+
+
 @pytest.mark.slow
 def test_real_prometheus_scrapes_the_server_and_evaluates_the_rules(server, tmp_path):
-    prometheus = Prometheus(server.url.removeprefix("http://"), tmp_path)
+    prometheus = Prometheus([server.url.removeprefix("http://")], tmp_path)
     try:
         prometheus.wait_for(lambda: prometheus.query('up{job="conf-kv"} == 1'), "the server up")
         prometheus.wait_for(lambda: prometheus.query("kv_oom_errors_total"), "a first sample of kv_oom_errors_total")
@@ -127,6 +259,6 @@ def test_real_prometheus_scrapes_the_server_and_evaluates_the_rules(server, tmp_
         assert "HighMemoryUsage" not in firing()
         rules = httpx.get(f"{prometheus.url}/api/v1/rules", timeout=10).json()["data"]["groups"]
         health = {rule["name"]: rule["health"] for group in rules for rule in group["rules"]}
-        assert len(health) == 7 and set(health.values()) == {"ok"}, health
+        assert len(health) == RULE_COUNT and set(health.values()) == {"ok"}, health
     finally:
         prometheus.stop()
