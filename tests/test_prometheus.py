@@ -6,8 +6,10 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -15,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.helpers import ROOT, free_port
+from tests.helpers import ROOT, LiveServer, free_port
 
 PROMETHEUS_DIR = ROOT / "prometheus"
 RULE_COUNT = 17  # alerts and recording rules
@@ -262,3 +264,111 @@ def test_real_prometheus_scrapes_the_server_and_evaluates_the_rules(server, tmp_
         assert len(health) == RULE_COUNT and set(health.values()) == {"ok"}, health
     finally:
         prometheus.stop()
+
+
+class Load:
+    """Client threads sending `body(thread, n)` to /generate until stopped, keeping the status codes."""
+
+    def __init__(self, url: str, threads: int, body: Callable[[int, int], dict]) -> None:
+        self.url, self.body = url, body
+        self.stopping = threading.Event()
+        self.statuses: list[int] = []
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, i: int) -> None:
+        n = 0
+        with httpx.Client(timeout=120) as client:
+            while not self.stopping.is_set():
+                try:
+                    self.statuses.append(client.post(f"{self.url}/generate", json=self.body(i, n)).status_code)
+                except httpx.HTTPError:
+                    if self.stopping.is_set():
+                        return  # the server stopped under it
+                    raise
+                n += 1
+
+    def stop(self) -> None:
+        """No new requests; wait for those under way, so that the next load runs alone."""
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join(120)
+
+
+@pytest.mark.slow
+def test_overload_pages_with_runbooks_a_full_prefix_pool_does_not_and_the_seed_latency_alert_is_inhibited(
+    default_path, tmp_path
+):
+    """Two servers, one Prometheus (the repo's rules, `for` cut to 2 s), one Alertmanager (the repo's routes).
+
+    `overloaded`: 8 MiB of KV (11 blocks of 16 uncompressed tokens) for two requests of 5 blocks and one
+    of 2, and a TPOT SLO of 10 ms that no token meets.
+    `healthy`, loaded after it: many short distinct chats that fill its 6 MB prefix pool, default SLOs.
+    """
+    # One torch thread each: torch's threads spin, and two servers must not oversubscribe a small machine.
+    common = ["--model-path", str(default_path), "--shutdown-grace-period", "0", "--torch-threads", "1"]
+    with ThreadPoolExecutor(2) as starting:
+        overloaded_start = starting.submit(LiveServer, *common, "--max-cache-size", "8", "--slo-tpot-seconds", "0.01")
+        healthy_start = starting.submit(LiveServer, *common, "--max-cache-size", "6")
+        overloaded, healthy = overloaded_start.result(), healthy_start.result()
+    a, b = overloaded.url.removeprefix("http://"), healthy.url.removeprefix("http://")
+    webhook = WebhookLog(tmp_path)
+    alertmanager = Alertmanager(tmp_path, webhook.url)
+    prometheus = Prometheus([a, b], tmp_path, fast_rules(tmp_path), alertmanager.url.removeprefix("http://"))
+
+    def story(i: int, n: int) -> dict:
+        # The long ones hold most of the budget; the short one reports a TPOT early.
+        prompt = f"Story {i}-{n}: once upon a time there was a"
+        tokens = 16 if i == 0 else 64
+        return {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "compression": {"enabled": False}}
+
+    def chat(i: int, n: int) -> dict:
+        question = f"Question {i}-{n}: name a colour and a number."
+        return {"messages": [{"role": "user", "content": question}], "max_tokens": 48, "ignore_eos": True}
+
+    def received(name: str, instance: str) -> dict | None:
+        wanted = {"alertname": name, "instance": instance}
+        return next((x for x in alertmanager.alerts() if x["labels"] | wanted == x["labels"]), None)
+
+    loads: list[Load] = []
+    try:
+        loads.append(Load(overloaded.url, 3, story))
+        prometheus.wait_for(lambda: received("TimePerOutputTokenSLOBreach", a), "the TPOT SLO page", 60)
+        prometheus.wait_for(lambda: received("KVRunningNearBudget", a), "the running-KV page", 60)
+        prometheus.wait_for(lambda: received("HighMeanRequestLatency", a), "the seed's latency alert, overloaded")
+        loads[0].stop()
+        assert loads[0].statuses and set(loads[0].statuses) == {200}
+
+        loads.append(Load(healthy.url, 2, chat))
+        seed = lambda: received("HighMeanRequestLatency", b)  # noqa: E731
+        prometheus.wait_for(lambda: seed() and seed()["status"]["inhibitedBy"], "the seed's alert inhibited", 60)
+        prefix = f'max_over_time(kv_cache_bytes{{pool="prefix", instance="{b}"}}[5m])'
+        share = f"{prefix} / on (instance) kv_cache_capacity_bytes"
+        prometheus.wait_for(lambda: float(prometheus.query(share)[0]["value"][1]) > 0.5, "the prefix pool full", 60)
+        loads[1].stop()
+        assert loads[1].statuses and set(loads[1].statuses) == {200}
+
+        # On the full prefix pool: no page ever went pending, and the seed's latency alert is muted
+        # by LatencySLOMet; on the overloaded server the SLO is not met and the seed's alert goes out.
+        pages = "TimePerOutputTokenSLOBreach|TimeToFirstTokenSLOBreach|KVRunningNearBudget|FrequentPreemptions"
+        assert prometheus.query(f'ALERTS{{alertname=~"{pages}", instance="{b}"}}[10m]') == []
+        assert seed()["status"]["state"] == "suppressed"
+        assert seed()["status"]["inhibitedBy"] == [received("LatencySLOMet", b)["fingerprint"]]
+        assert received("LatencySLOMet", a) is None
+        assert received("HighMeanRequestLatency", a)["status"] == {
+            "state": "active",
+            "silencedBy": [],
+            "inhibitedBy": [],
+        }
+        # The pages reached the pager receiver, each with its runbook, and none for the healthy server.
+        webhook.wait_for(lambda: "pager firing KVRunningNearBudget" in webhook.log_text(), "the page notified")
+        pager = [line for line in webhook.log_text().splitlines() if " pager firing " in line]
+        assert any(f"TimePerOutputTokenSLOBreach instance={a} severity=critical" in line for line in pager), pager
+        assert all(f"instance={a}" in line and "runbook README.md#" in line for line in pager), pager
+        assert f"HighMeanRequestLatency instance={b}" not in webhook.log_text()
+    finally:
+        for load in loads:
+            load.stop()
+        for process in (prometheus, alertmanager, webhook, overloaded, healthy):
+            process.stop()
