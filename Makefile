@@ -27,11 +27,15 @@ model: $(STAMP)
 serve: model
 	$(PY) serve.py $(ARGS)
 
-# promtool and prometheus (alert rule tests, the Prometheus integration test) from Debian's package.
+# promtool, prometheus, amtool and alertmanager (alert rule and routing tests, the live alerting test)
+# from Debian's packages; Debian names the Alertmanager binary prometheus-alertmanager.
 tools:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
 	} || { echo "install Prometheus (Debian: apt-get install prometheus) so that promtool and prometheus are on PATH"; exit 1; }
+	@command -v amtool >/dev/null && { command -v alertmanager || command -v prometheus-alertmanager; } >/dev/null || { \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus-alertmanager; \
+	} || { echo "install Alertmanager (Debian: apt-get install prometheus-alertmanager) so that amtool and alertmanager are on PATH"; exit 1; }
 
 test: model tools
 	$(PY) -m pytest $(PYTEST_ARGS)

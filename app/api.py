@@ -103,7 +103,9 @@ def create_app(settings: Settings) -> FastAPI:
         metrics = Metrics()
         engine = build_engine(settings)
         metrics.bind_engine(engine)
+        metrics.set_slo(settings.slo_ttft_seconds, settings.slo_tpot_seconds)
         runner = AsyncEngine(engine, on_step=metrics.observe_step)
+        metrics.bind_loop(runner)
         runner.start()
         app.state.metrics = metrics
         app.state.engine = runner
@@ -148,6 +150,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        request.app.state.metrics.requests.labels("503").inc()  # counted, so the 5xx alert sees a dead engine
         return _error(request, 503, "engine_unavailable", f"{exc}; restart the server", {"Retry-After": "5"})
 
     @app.exception_handler(RequestValidationError)

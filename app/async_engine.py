@@ -12,6 +12,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -53,6 +54,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.error: BaseException | None = None
+        # Unix time of the loop's last pass; it stops moving when a step hangs or the loop dies.
+        self.heartbeat = time.time()
 
     # ----- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -101,6 +104,7 @@ class AsyncEngine:
         try:
             with torch.inference_mode():
                 while not self._stopping.is_set():
+                    self.heartbeat = time.time()
                     self._drain_inbox(block=not self.engine.has_unfinished())
                     if self.engine.has_unfinished():
                         outputs = self.engine.step()

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from app.async_engine import AsyncEngine
 from app.engine import LLMEngine, StepStats
 from compression.prefix_cache import PARKED
 
@@ -105,6 +106,17 @@ class Metrics:
         self.step_time = Histogram(
             "engine_step_seconds", "Duration of one engine step", buckets=_TOKEN_LATENCY_BUCKETS, registry=r
         )
+        self.heartbeat = Gauge(
+            "engine_loop_heartbeat_timestamp_seconds",
+            "Unix time of the engine loop's last pass (at least every 0.5 s while it lives, busy or idle)",
+            registry=r,
+        )
+        self.slo_target = Gauge(
+            "slo_target_seconds",
+            "p99 latency targets the alert rules compare against (settings slo_*)",
+            ["kind"],
+            registry=r,
+        )
 
     def bind_engine(self, engine: LLMEngine) -> None:
         """Gauges read the engine's own accounting when scraped, so they are never stale."""
@@ -119,6 +131,13 @@ class Metrics:
         self.kv_usage.set_function(lambda: store.used_bytes / store.max_bytes)
         self.device_memory.set_function(lambda: _device_memory_ratio(store.device))
         self.registry.register(_EngineCollector(engine))
+
+    def bind_loop(self, runner: AsyncEngine) -> None:
+        self.heartbeat.set_function(lambda: runner.heartbeat)
+
+    def set_slo(self, ttft_seconds: float, tpot_seconds: float) -> None:
+        self.slo_target.labels("ttft").set(ttft_seconds)
+        self.slo_target.labels("tpot").set(tpot_seconds)
 
     def observe_step(self, stats: StepStats, engine: LLMEngine) -> None:
         self.step_time.observe(stats.duration_s)

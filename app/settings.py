@@ -68,6 +68,12 @@ class Settings(BaseSettings):
         262144, ge=1, description="most prompt tokens queued or running; beyond it 503 with Retry-After"
     )
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
+    slo_ttft_seconds: float = Field(
+        5.0, gt=0.0, description="p99 time to first token the alerts hold the server to (exported as a gauge)"
+    )
+    slo_tpot_seconds: float = Field(
+        0.5, gt=0.0, description="p99 time per output token the alerts hold the server to (exported as a gauge)"
+    )
     shutdown_grace_period: float = Field(
         30.0, ge=0.0, description="on SIGTERM, seconds running requests may take to finish (new ones get 503)"
     )

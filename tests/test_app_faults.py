@@ -22,12 +22,22 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     return folder
 
 
-def test_an_engine_loop_crash_is_reported_by_health_ready_and_requests(tiny_model_dir, caplog):
-    settings = Settings(model_path=tiny_model_dir, max_cache_size="64", torch_threads=1)
+def metric(client: TestClient, sample: str) -> float:
+    line = next(line for line in client.get("/metrics").text.splitlines() if line.startswith(sample + " "))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_an_engine_loop_crash_is_reported_by_health_ready_requests_and_metrics(tiny_model_dir, caplog):
+    settings = Settings(model_path=tiny_model_dir, max_cache_size="64", torch_threads=1, slo_tpot_seconds=0.25)
     with TestClient(create_app(settings)) as client:
         body = {"prompt": "Hello there", "max_tokens": 3, "temperature": 0}
         assert client.post("/generate", json=body).status_code == 200
         assert client.get("/v1/models").json()["data"][0]["id"] == tiny_model_dir.name
+        assert metric(client, 'slo_target_seconds{kind="tpot"}') == 0.25
+        assert metric(client, 'slo_target_seconds{kind="ttft"}') == 5.0
+        beat = metric(client, "engine_loop_heartbeat_timestamp_seconds")
+        time.sleep(0.7)  # the idle loop passes every 0.5 s
+        assert time.time() - 2 < beat < metric(client, "engine_loop_heartbeat_timestamp_seconds")
 
         def crash():
             raise RuntimeError("injected loop fault")
@@ -40,6 +50,10 @@ def test_an_engine_loop_crash_is_reported_by_health_ready_and_requests(tiny_mode
         assert health.status_code == 503 and "injected loop fault" in health.json()["error"]
         assert client.get("/ready").status_code == 503
         assert client.post("/generate", json=body).status_code == 503  # and it stays down, clearly
+        assert metric(client, 'requests_total{status="503"}') == 2
+        stopped = metric(client, "engine_loop_heartbeat_timestamp_seconds")
+        time.sleep(0.7)
+        assert metric(client, "engine_loop_heartbeat_timestamp_seconds") == stopped  # EngineLoopStalled will fire
     assert "engine loop crashed" in caplog.text
 
 

@@ -22,7 +22,8 @@ from tests.helpers import ROOT, make_engine, tiny_model
 
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "and", "or", "unless", "le", "instance", "job"}
 PROMQL_WORDS |= {"sum", "avg", "min", "max", "count"}  # aggregations, written before `by`
-PROMQL_WORDS |= {"pool", "reason", "tier", "status"}  # our label names
+PROMQL_WORDS |= {"pool", "reason", "tier", "status", "kind"}  # our label names
+PROMETHEUS_SERIES = {"up"}  # what Prometheus records of every scrape
 
 
 def dockerfile() -> list[tuple[str, str]]:
@@ -67,7 +68,7 @@ def test_dockerfile_installs_what_the_project_pins_and_converts_the_model():
 
 def test_compose_services_paths_ports_and_health_checks_line_up():
     stack = compose()["services"]
-    assert set(stack) == {"server", "prometheus", "grafana"}
+    assert set(stack) == {"server", "prometheus", "alertmanager", "alert-log", "grafana"}
     for name, service in stack.items():
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
@@ -81,6 +82,24 @@ def test_compose_services_paths_ports_and_health_checks_line_up():
     assert set(server["environment"]) <= fields
     assert stack["prometheus"]["depends_on"]["server"]["condition"] == "service_healthy"
     assert "./prometheus:/etc/prometheus:ro" in stack["prometheus"]["volumes"]
+    assert stack["prometheus"]["depends_on"]["alertmanager"]["condition"] == "service_healthy"
+    assert "9093:9093" in stack["alertmanager"]["ports"]
+    assert any("/-/ready" in part for part in stack["alertmanager"]["healthcheck"]["test"])
+
+
+def test_prometheus_alerts_the_compose_alertmanager_which_notifies_alert_log():
+    scrape = yaml.safe_load((ROOT / "prometheus" / "prometheus.yml").read_text())
+    assert scrape["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["alertmanager:9093"]
+    stack = compose()["services"]
+    config_path = next(v.split(":")[1] for v in stack["alertmanager"]["volumes"] if v.startswith("./"))
+    assert f"--config.file={config_path}" in stack["alertmanager"]["command"]
+    log = stack["alert-log"]
+    mount = next(v.split(":")[1] for v in log["volumes"] if v.startswith("./prometheus:"))
+    assert log["command"][:2] == ["python", f"{mount}/webhook_log.py"]
+    port = log["command"][log["command"].index("--port") + 1]
+    config = yaml.safe_load((ROOT / "prometheus" / "alertmanager.yml").read_text())
+    urls = [hook["url"] for r in config["receivers"] for hook in r.get("webhook_configs", [])]
+    assert urls and all(url.startswith(f"http://alert-log:{port}/") for url in urls)
 
 
 def test_prometheus_scrapes_the_compose_server_and_grafana_reads_prometheus():
@@ -120,12 +139,18 @@ def metric_names(expr: str) -> set[str]:
 
 
 def test_every_metric_in_alerts_and_dashboard_is_exported(exported_names):
-    rules = yaml.safe_load((ROOT / "prometheus" / "alert_rules.yaml").read_text())["groups"]
-    expressions = [rule["expr"] for group in rules for rule in group["rules"]]
+    rules = [
+        rule
+        for group in yaml.safe_load((ROOT / "prometheus" / "alert_rules.yaml").read_text())["groups"]
+        for rule in group["rules"]
+    ]
+    expressions = [rule["expr"] for rule in rules]
+    recorded = {rule["record"] for rule in rules if "record" in rule}
     panels = json.loads((ROOT / "grafana" / "dashboards" / "conf-kv.json").read_text())["panels"]
     expressions += [target["expr"] for panel in panels for target in panel["targets"]]
-    used = set().union(*(metric_names(e) for e in expressions))
-    assert {"kv_cache_memory_bytes", "kv_compression_ratio_bucket", "kv_prefix_cache_hits_total"} <= used
+    used = set().union(*(metric_names(e) for e in expressions)) - recorded - PROMETHEUS_SERIES
+    assert {"kv_cache_memory_bytes", "kv_compression_ratio_bucket", "slo_target_seconds"} <= used
+    assert "engine_loop_heartbeat_timestamp_seconds" in used
     assert used <= exported_names, f"not exported: {sorted(used - exported_names)}"
     titles = " ".join(panel["title"].lower() for panel in panels)
     for topic in ("memory", "compression ratio", "recall", "prefix", "latency", "throughput", "queue"):

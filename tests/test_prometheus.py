@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
+import sys
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 import yaml
 
-from tests.helpers import ROOT, free_port
+from tests.helpers import ROOT, LiveServer, free_port
 
 PROMETHEUS_DIR = ROOT / "prometheus"
+RULE_COUNT = 17  # alerts and recording rules
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
@@ -22,19 +30,20 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
 def test_config_and_rules_pass_promtool_check():
     result = promtool("check", "config", "prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "7 rules found" in result.stdout
+    assert f"{RULE_COUNT} rules found" in result.stdout
 
 
 def test_every_alert_rule_fires_and_stays_quiet_as_unit_tested():
     result = promtool("test", "rules", "alert_rules_test.yaml")
     assert result.returncode == 0, result.stdout + result.stderr
-    tested = {
-        t["alertname"]
-        for case in yaml.safe_load((PROMETHEUS_DIR / "alert_rules_test.yaml").read_text())["tests"]
-        for t in case["alert_rule_test"]
-    }
-    rules = yaml.safe_load((PROMETHEUS_DIR / "alert_rules.yaml").read_text())["groups"]
-    assert tested == {rule["alert"] for group in rules for rule in group["rules"]}
+    cases = yaml.safe_load((PROMETHEUS_DIR / "alert_rules_test.yaml").read_text())["tests"]
+    tested = {t["alertname"] for case in cases for t in case["alert_rule_test"]}
+    assert tested == {rule["alert"] for rule in alert_rules()}
+
+
+def alert_rules() -> list[dict]:
+    groups = yaml.safe_load((PROMETHEUS_DIR / "alert_rules.yaml").read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"] if "alert" in rule]
 
 
 def test_seed_high_memory_rule_is_kept_as_written():
@@ -47,40 +56,78 @@ def test_seed_high_memory_rule_is_kept_as_written():
         "annotations": {
             "summary": "KV缓存内存占用超过阈值",
             "description": "当前占用 {{ $value }}GB，可能影响服务稳定性",
+            "runbook_url": "README.md#highmemoryusage",  # the one addition
         },
     }
 
 
-class Prometheus:
-    """The Prometheus binary on loopback, with the repo's config aimed at one server and sped up."""
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lstrip("#").strip().lower())
+    return text.replace(" ", "-")
 
-    def __init__(self, target: str, workdir: Path) -> None:
-        config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
-        config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
-        config["rule_files"] = [str(PROMETHEUS_DIR / name) for name in config["rule_files"]]
-        config["scrape_configs"][0]["static_configs"] = [{"targets": [target]}]
-        path = workdir / "prometheus.yml"
-        path.write_text(yaml.safe_dump(config))
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.log = open(workdir / "prometheus.log", "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [
-                "prometheus",
-                f"--config.file={path}",
-                f"--storage.tsdb.path={workdir / 'data'}",
-                f"--web.listen-address={self.url.removeprefix('http://')}",
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        self.wait_for(lambda: httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200, "ready", 60)
 
-    def query(self, expr: str) -> list[dict]:
-        body = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10).json()
-        assert body["status"] == "success", body
-        return body["data"]["result"]
+def test_every_alert_links_a_readme_runbook_that_says_what_to_check_and_change():
+    readme = (ROOT / "README.md").read_text()
+    sections = {}
+    for section in re.split(r"\n(?=#{2,4} )", readme):
+        heading, _, body = section.partition("\n")
+        sections[github_anchor(heading)] = body
+    for rule in alert_rules():
+        url = rule["annotations"]["runbook_url"]
+        assert url == f"README.md#{rule['alert'].lower()}", rule["alert"]
+        body = sections.get(url.split("#")[1])
+        assert body is not None, f"{rule['alert']}: README has no section {url}"
+        for part in ("**Means**", "**Check first**", "**Change**"):
+            assert part in body, f"{rule['alert']}: its runbook lacks {part}"
 
-    def wait_for(self, check, what: str, timeout: float = 30) -> None:
+
+def amtool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["amtool", *args], cwd=PROMETHEUS_DIR, capture_output=True, text=True, timeout=60)
+
+
+def test_alertmanager_config_passes_amtool_and_pages_only_on_what_matters():
+    result = amtool("check-config", "alertmanager.yml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 inhibit rules" in result.stdout and "3 receivers" in result.stdout
+    routed = {}
+    for rule in alert_rules():
+        labels = [f"{k}={v}" for k, v in {"alertname": rule["alert"], **rule["labels"]}.items()]
+        result = amtool("config", "routes", "test", "--config.file=alertmanager.yml", *labels)
+        assert result.returncode == 0, result.stdout + result.stderr
+        routed[rule["alert"]] = result.stdout.strip()
+    pages = {
+        "TimePerOutputTokenSLOBreach",
+        "TimeToFirstTokenSLOBreach",
+        "KVRunningNearBudget",
+        "FrequentPreemptions",
+        "HighServerErrorRate",
+        "EngineLoopStalled",
+        "ConfKVDown",
+        "FrequentOOMErrors",
+    }
+    assert {name for name, receiver in routed.items() if receiver == "pager"} == pages
+    assert routed["HighMemoryUsage"] == "log"  # critical as the seed wrote it, but never a page
+    assert routed["HighMeanRequestLatency"] == routed["LowPrefixCacheHitRate"] == "log"
+    assert routed["LatencySLOMet"] == "discard"
+    config = yaml.safe_load((PROMETHEUS_DIR / "alertmanager.yml").read_text())
+    assert config["route"]["group_by"] == ["instance"]
+    inhibit = config["inhibit_rules"][0]
+    assert inhibit["source_matchers"] == ['alertname="LatencySLOMet"'] and inhibit["equal"] == ["instance"]
+
+
+class _Process:
+    """A real binary on loopback at `address`, its output in a log file under the test's folder."""
+
+    name = ""
+
+    def __init__(self, args: list[str], workdir: Path, address: str, ready: Callable[[str], bool]) -> None:
+        self.url = f"http://{address}"
+        self.log = open(workdir / f"{self.name}.log", "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        self.wait_for(lambda: ready(self.url), "ready", 60)
+
+    def wait_for(self, check: Callable[[], object], what: str, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -89,9 +136,10 @@ class Prometheus:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise AssertionError(
-            f"Prometheus: {what} not seen in {timeout}s; log:\n{Path(self.log.name).read_text()[-3000:]}"
-        )
+        raise AssertionError(f"{self.name}: {what} not seen in {timeout}s; log:\n{self.log_text()[-3000:]}")
+
+    def log_text(self) -> str:
+        return Path(self.log.name).read_text()
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -99,9 +147,98 @@ class Prometheus:
         self.log.close()
 
 
+class Prometheus(_Process):
+    """The repo's config aimed at the given servers and Alertmanager, scraping and evaluating every second."""
+
+    name = "prometheus"
+
+    def __init__(self, targets: list[str], workdir: Path, rules: Path | None = None, alertmanager: str = "") -> None:
+        config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
+        config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+        config["rule_files"] = [str(rules)] if rules else [str(PROMETHEUS_DIR / f) for f in config["rule_files"]]
+        config["scrape_configs"][0]["static_configs"] = [{"targets": targets}]
+        if alertmanager:
+            config["alerting"]["alertmanagers"][0]["static_configs"] = [{"targets": [alertmanager]}]
+        else:
+            del config["alerting"]
+        path = workdir / "prometheus.yml"
+        path.write_text(yaml.safe_dump(config))
+        address = f"127.0.0.1:{free_port()}"
+        args = [
+            "prometheus",
+            f"--config.file={path}",
+            f"--storage.tsdb.path={workdir / 'prometheus-data'}",
+            f"--web.listen-address={address}",
+        ]
+        super().__init__(args, workdir, address, _ready)
+
+    def query(self, expr: str) -> list[dict]:
+        body = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10).json()
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+
+class WebhookLog(_Process):
+    """prometheus/webhook_log.py, the receiver docker-compose gives Alertmanager by default."""
+
+    name = "webhook-log"
+
+    def __init__(self, workdir: Path) -> None:
+        port = free_port()
+        args = [sys.executable, str(PROMETHEUS_DIR / "webhook_log.py"), "--host", "127.0.0.1", "--port", str(port)]
+        super().__init__(args, workdir, f"127.0.0.1:{port}", _takes_posts)
+
+
+class Alertmanager(_Process):
+    """The repo's Alertmanager config, notifying at once (1 s group wait and interval) into `webhook`."""
+
+    name = "alertmanager"
+
+    def __init__(self, workdir: Path, webhook: str) -> None:
+        config = yaml.safe_load((PROMETHEUS_DIR / "alertmanager.yml").read_text())
+        config["route"] |= {"group_wait": "1s", "group_interval": "1s"}
+        for receiver in config["receivers"]:
+            for hook in receiver.get("webhook_configs", []):
+                hook["url"] = webhook + urlsplit(hook["url"]).path
+        path = workdir / "alertmanager.yml"
+        path.write_text(yaml.safe_dump(config))
+        address = f"127.0.0.1:{free_port()}"
+        args = [
+            shutil.which("alertmanager") or "prometheus-alertmanager",  # Debian's name for it
+            f"--config.file={path}",
+            f"--storage.path={workdir / 'alertmanager-data'}",
+            f"--web.listen-address={address}",
+            "--cluster.listen-address=",  # a single instance: no gossip port to collide with
+        ]
+        super().__init__(args, workdir, address, _ready)
+
+    def alerts(self) -> list[dict]:
+        return httpx.get(f"{self.url}/api/v2/alerts", timeout=10).json()
+
+
+def _ready(url: str) -> bool:
+    return httpx.get(f"{url}/-/ready", timeout=2).status_code == 200
+
+
+def _takes_posts(url: str) -> bool:
+    return httpx.post(url, content=b"{}", timeout=2).status_code == 200
+
+
+def fast_rules(workdir: Path) -> Path:
+    """alert_rules.yaml with every `for` cut to 2 s: the same expressions, labels and annotations."""
+    groups = yaml.safe_load((PROMETHEUS_DIR / "alert_rules.yaml").read_text())
+    for group in groups["groups"]:
+        for rule in group["rules"]:
+            if "for" in rule:
+                rule["for"] = "2s"
+    path = workdir / "alert_rules.yaml"
+    path.write_text(yaml.safe_dump(groups, allow_unicode=True))
+    return path
+
+
 @pytest.mark.slow
 def test_real_prometheus_scrapes_the_server_and_evaluates_the_rules(server, tmp_path):
-    prometheus = Prometheus(server.url.removeprefix("http://"), tmp_path)
+    prometheus = Prometheus([server.url.removeprefix("http://")], tmp_path)
     try:
         prometheus.wait_for(lambda: prometheus.query('up{job="conf-kv"} == 1'), "the server up")
         prometheus.wait_for(lambda: prometheus.query("kv_oom_errors_total"), "a first sample of kv_oom_errors_total")
@@ -127,6 +264,117 @@ def test_real_prometheus_scrapes_the_server_and_evaluates_the_rules(server, tmp_
         assert "HighMemoryUsage" not in firing()
         rules = httpx.get(f"{prometheus.url}/api/v1/rules", timeout=10).json()["data"]["groups"]
         health = {rule["name"]: rule["health"] for group in rules for rule in group["rules"]}
-        assert len(health) == 7 and set(health.values()) == {"ok"}, health
+        assert len(health) == RULE_COUNT and set(health.values()) == {"ok"}, health
     finally:
         prometheus.stop()
+
+
+class Load:
+    """Client threads sending `body(thread, n)` to /generate until stopped, keeping the status codes."""
+
+    def __init__(self, url: str, threads: int, body: Callable[[int, int], dict]) -> None:
+        self.url, self.body = url, body
+        self.stopping = threading.Event()
+        self.statuses: list[int] = []
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, i: int) -> None:
+        n = 0
+        with httpx.Client(timeout=120) as client:
+            while not self.stopping.is_set():
+                try:
+                    self.statuses.append(client.post(f"{self.url}/generate", json=self.body(i, n)).status_code)
+                except httpx.HTTPError as exc:
+                    self.errors.append(repr(exc))
+                    return
+                n += 1
+
+    def stop(self) -> None:
+        """No new requests; wait for those under way, so that the next load runs alone."""
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join(120)
+
+
+@pytest.mark.slow
+def test_overload_pages_with_runbooks_a_full_prefix_pool_does_not_and_the_seed_latency_alert_is_inhibited(
+    default_path, tmp_path
+):
+    """Two servers, one Prometheus (the repo's rules, `for` cut to 2 s), one Alertmanager (the repo's routes).
+
+    `overloaded`: 8 MiB of KV (11 blocks of 16 uncompressed tokens) for two requests of 5 blocks and one
+    of 2, and a TPOT SLO of 10 ms that no token meets.
+    `healthy`, loaded after it: many short distinct chats that fill its 6 MiB prefix pool, default SLOs.
+    """
+    # One torch thread each: torch's threads spin, and two servers must not oversubscribe a small machine.
+    common = ["--model-path", str(default_path), "--shutdown-grace-period", "0", "--torch-threads", "1"]
+    with ThreadPoolExecutor(2) as starting:
+        overloaded_start = starting.submit(LiveServer, *common, "--max-cache-size", "8", "--slo-tpot-seconds", "0.01")
+        healthy_start = starting.submit(LiveServer, *common, "--max-cache-size", "6")
+        overloaded, healthy = overloaded_start.result(), healthy_start.result()
+    a, b = overloaded.url.removeprefix("http://"), healthy.url.removeprefix("http://")
+    webhook = WebhookLog(tmp_path)
+    alertmanager = Alertmanager(tmp_path, webhook.url)
+    prometheus = Prometheus([a, b], tmp_path, fast_rules(tmp_path), alertmanager.url.removeprefix("http://"))
+
+    def story(i: int, n: int) -> dict:
+        # The long ones hold most of the budget; the short one reports a TPOT early.
+        prompt = f"Story {i}-{n}: once upon a time there was a"
+        tokens = 16 if i == 0 else 64
+        return {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "compression": {"enabled": False}}
+
+    def chat(i: int, n: int) -> dict:
+        question = f"Question {i}-{n}: name a colour and a number."
+        return {"messages": [{"role": "user", "content": question}], "max_tokens": 48, "ignore_eos": True}
+
+    def received(name: str, instance: str) -> dict | None:
+        wanted = {"alertname": name, "instance": instance}
+        return next((x for x in alertmanager.alerts() if x["labels"] | wanted == x["labels"]), None)
+
+    loads: list[Load] = []
+    try:
+        loads.append(Load(overloaded.url, 3, story))
+        prometheus.wait_for(lambda: received("TimePerOutputTokenSLOBreach", a), "the TPOT SLO page", 60)
+        prometheus.wait_for(lambda: received("KVRunningNearBudget", a), "the running-KV page", 60)
+        prometheus.wait_for(lambda: received("HighMeanRequestLatency", a), "the seed's latency alert, overloaded")
+        loads[0].stop()
+        assert not loads[0].errors and loads[0].statuses and set(loads[0].statuses) == {200}
+
+        loads.append(Load(healthy.url, 2, chat))
+
+        def seed() -> dict | None:
+            return received("HighMeanRequestLatency", b)
+
+        prometheus.wait_for(lambda: seed() and seed()["status"]["inhibitedBy"], "the seed's alert inhibited", 60)
+        prefix = f'max_over_time(kv_cache_bytes{{pool="prefix", instance="{b}"}}[5m])'
+        share = f"{prefix} / on (instance) kv_cache_capacity_bytes"
+        prometheus.wait_for(lambda: float(prometheus.query(share)[0]["value"][1]) > 0.5, "the prefix pool full", 60)
+        loads[1].stop()
+        assert not loads[1].errors and loads[1].statuses and set(loads[1].statuses) == {200}
+
+        # On the full prefix pool: no page ever went pending, and the seed's latency alert is muted
+        # by LatencySLOMet; on the overloaded server the SLO is not met and the seed's alert goes out.
+        pages = "TimePerOutputTokenSLOBreach|TimeToFirstTokenSLOBreach|KVRunningNearBudget|FrequentPreemptions"
+        assert prometheus.query(f'ALERTS{{alertname=~"{pages}", instance="{b}"}}[10m]') == []
+        assert seed()["status"]["state"] == "suppressed"
+        assert seed()["status"]["inhibitedBy"] == [received("LatencySLOMet", b)["fingerprint"]]
+        assert received("LatencySLOMet", a) is None
+        assert received("HighMeanRequestLatency", a)["status"] == {
+            "state": "active",
+            "silencedBy": [],
+            "inhibitedBy": [],
+        }
+        # The pages reached the pager receiver, each with its runbook, and none for the healthy server.
+        webhook.wait_for(lambda: "pager firing KVRunningNearBudget" in webhook.log_text(), "the page notified")
+        pager = [line for line in webhook.log_text().splitlines() if " pager firing " in line]
+        assert any(f"TimePerOutputTokenSLOBreach instance={a} severity=critical" in line for line in pager), pager
+        assert all(f"instance={a}" in line and "runbook README.md#" in line for line in pager), pager
+        assert f"HighMeanRequestLatency instance={b}" not in webhook.log_text()
+    finally:
+        for load in loads:
+            load.stop()
+        for process in (prometheus, alertmanager, webhook, overloaded, healthy):
+            process.stop()
