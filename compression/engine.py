@@ -14,17 +14,28 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from compression.config import CompressionParams
-from compression.kv_store import Keep, KVStore
+from compression.kv_store import Keep, KVStore, LayerKV
 from compression.policy import plan_tiers
 from compression.predictor.calibration import Calibration, Source
 from compression.predictor.misses import Dropped
 from compression.predictor.online import Forecast, FutureValue, PredictionJob
 from compression.scoring import LayerEntries, ScorePolicy
+
+
+class _Judged(NamedTuple):
+    """One layer of a sequence as a compression judges it."""
+
+    layer: int
+    kv: LayerKV
+    protected: torch.Tensor  # [n] sinks and the recent window
+    scores: torch.Tensor  # [n]
+    retention: torch.Tensor | None  # [n] retention confidence, where the policy gives one
+    judged: torch.Tensor  # [n] entries an earlier compression kept
 
 
 class TrackedSequence(Protocol):
@@ -345,7 +356,7 @@ class CompressionEngine:
             predicted = self.future_value.predict(store, [job])[seq_id]
         confidence = self._token_confidence(state, num_tokens)
         calibration = self._calibration(state)
-        keep = {}
+        judged = []
         for layer in layers:
             kv = store.layer(seq_id, layer)
             n = kv.length
@@ -363,17 +374,13 @@ class CompressionEngine:
                 seed=params.seed,
             )
             scores = state.policy.score(entries)
+            retention = state.policy.retention(entries, scores)
+            judged.append(_Judged(layer, kv, protected, scores, retention, positions < state.judged_until))
+        budget = self._content_budget(judged, budget, full_bytes, key_only_bytes, state)
+        keep = {}
+        for layer, kv, protected, scores, _, _ in judged:
             plan = plan_tiers(
-                scores,
-                protected,
-                kv.num_key_only,
-                budget,
-                full_bytes,
-                key_only_bytes,
-                state.policy.uses_tiers,
-                state.policy.retention(entries, scores),
-                params.thresholds,
-                judged=positions < state.judged_until,
+                scores, protected, kv.num_key_only, budget, full_bytes, key_only_bytes, state.policy.uses_tiers
             )
             if plan.dropped.numel() == 0 and plan.keep_key_only.numel() == kv.num_key_only:
                 continue
@@ -386,6 +393,35 @@ class CompressionEngine:
         state.judged_until = num_tokens
         if keep:
             store.retier(seq_id, keep)
+
+    def _content_budget(
+        self, judged: list[_Judged], ceiling: float, full_bytes: int, key_only_bytes: int, state: SequenceState
+    ) -> float:
+        """Bytes each layer may hold: where the policy gives retention confidences, the request's share of
+        what the thresholds keep over all its layers (under the rate's ceiling), so memory follows the
+        content of the request while every layer holds as much; else the ceiling.
+
+        The thresholds judge the request, not each layer: letting them set each layer's bytes (few
+        where attention is concentrated, many where it is diffuse) lost fidelity at equal bytes
+        against a fixed rate (see docs/design.md)."""
+        if all(j.retention is None for j in judged):
+            return ceiling
+        held = 0
+        for j in judged:
+            plan = plan_tiers(
+                j.scores,
+                j.protected,
+                j.kv.num_key_only,
+                float("inf"),
+                full_bytes,
+                key_only_bytes,
+                state.policy.uses_tiers,
+                j.retention,
+                state.params.thresholds,
+                judged=j.judged,
+            )
+            held += plan.keep_full.numel() * full_bytes + plan.keep_key_only.numel() * key_only_bytes
+        return min(ceiling, held / len(judged))
 
     def _budget(self, seq_id: int, num_tokens: int, state: SequenceState) -> tuple[float, int, int]:
         """Bytes each layer may hold after this compression, and the bytes of a FULL and a KEY_ONLY entry."""

@@ -97,7 +97,7 @@ def test_an_entry_kept_before_stays_down_to_the_drop_line():
 @pytest.fixture
 def by_position() -> Iterator[type[ScorePolicy]]:
     """A policy whose retention confidence is fixed by position: every third entry 0.95, the next
-    0.8, the next 0.3; the thresholds then decide every tier."""
+    0.8, the next 0.3; the thresholds then decide how many bytes the request holds."""
 
     @dataclass
     class ByPosition(ScorePolicy):
@@ -132,9 +132,10 @@ def test_a_requests_thresholds_decide_its_memory_under_the_rate_ceiling(tokenize
     seed = run(0.1, {"high": 0.9, "medium": 0.7})
     strict = run(0.1, {"high": 0.99, "medium": 0.9})
     lenient = run(0.1, {"high": 0.5, "medium": 0.2})
-    # Generous ceiling: the thresholds decide. One entry in three FULL, one KEY_ONLY, one dropped...
+    # Generous ceiling: the thresholds decide the bytes (those of one entry in three FULL, one
+    # KEY_ONLY), which the layers then spend as a rate does...
     held = seed["entries"]
-    assert held["dropped"] > 0 and held["key_only"] > 0 and held["full"] > 0
+    assert held["key_only"] > 0 and held["full"] > 0
     assert seed["compressed_size"] < 0.7 * seed["ceiling_size"]  # ...far below what the rate allows
     assert strict["compressed_size"] < seed["compressed_size"] < lenient["compressed_size"]
     assert lenient["entries"]["dropped"] == 0
@@ -143,3 +144,45 @@ def test_a_requests_thresholds_decide_its_memory_under_the_rate_ceiling(tokenize
     slack = (8 + 2 * BLOCK_SIZE) * make_engine(model, tokenizer).store.token_bytes  # an interval, partial blocks
     assert tight["compressed_size"] <= tight["ceiling_size"] + slack
     assert tight["compressed_size"] < lenient["compressed_size"]
+
+
+@pytest.fixture
+def by_layer() -> Iterator[type[ScorePolicy]]:
+    """A policy sure of every entry of layer 0 (0.95) and of none of layer 1's (0.1)."""
+
+    @dataclass
+    class ByLayer(ScorePolicy):
+        name = "test_by_layer"
+        uses_attention = False
+        uses_tiers = True
+        thresholds_decide = True
+
+        def score(self, entries: LayerEntries) -> torch.Tensor:
+            return entries.positions.float()
+
+        def retention(self, entries: LayerEntries, scores: torch.Tensor) -> torch.Tensor:
+            return torch.full_like(scores, 0.95 if entries.layer == 0 else 0.1)
+
+    yield ByLayer
+    del POLICIES[ByLayer.name]
+
+
+def test_the_thresholds_judge_the_request_and_every_layer_holds_as_much(tokenizer, by_layer):
+    """The thresholds set the request's bytes (all of layer 0's entries FULL, none of layer 1's:
+    half of the cache); the layers share them, as a rate would, instead of one keeping all and the
+    other nothing. At equal bytes that kept more fidelity on the quality benchmark."""
+    model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    settings = {"sink_tokens": 4, "recent_window": 16, "compression_interval": 8, "score_interval": 2}
+    engine = make_engine(model, tokenizer, compression=settings)
+    ids = [int(t) for t in torch.randint(3, len(tokenizer), (300,), generator=torch.Generator().manual_seed(1))]
+    request = {"policy": "test_by_layer", "compression_rate": 0.1}
+    params = resolve(engine.compression_config, request, True, True)
+    seq = engine.add_request("r", ids, greedy(2, ignore_eos=True), params)
+    engine.step()  # the prompt, and its end-of-prefill compression
+    held = [engine.store.layer(seq.seq_id, layer) for layer in range(2)]
+    full, key_only = engine.store.entry_bytes()
+    layer_bytes = [kv.num_full * full + kv.num_key_only * key_only for kv in held]
+    assert abs(layer_bytes[0] - layer_bytes[1]) <= full  # as much in each layer...
+    assert sum(layer_bytes) <= 300 * full + 2 * full  # ...half of the cache in all, the first layer's worth
+    assert all(kv.length < 300 for kv in held)
+    run_to_completion(engine)
