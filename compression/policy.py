@@ -12,6 +12,10 @@ it holds, best-ranked first, at the cheapest tier they can take (KEY_ONLY for a 
 spends what is left raising the best of them to their limit. So an entry is demoted only as far as
 the budget or its own confidence needs, and the lowest-ranked go first. Protected entries
 (attention sinks, the recent window) are always kept as they are.
+
+The compression engine asks a plan with thresholds only to learn what they would keep; the bytes of
+all those layer plans, shared equally among the layers, become the budget of plans without them
+(`CompressionEngine._content_budget`).
 """
 
 from __future__ import annotations

@@ -162,10 +162,10 @@ class Dynamic(ScorePolicy):
     attended tokens (facts span several tokens). Tokens the model sampled with low confidence
     mark points where the text could have gone another way; they get up to `doubt_weight` more.
     Its retention confidence is that score as a calibrated probability of being needed
-    (`compression.predictor.calibration`). With `thresholds_decide` the thresholds turn it into
-    tiers under the rate's ceiling (off by default: at equal bytes a fixed rate keeps more fidelity
-    on the quality benchmark, and judging every layer at every compression costs decode time); without a
-    fitted calibration the rate alone decides either way.
+    (`compression.predictor.calibration`). With `thresholds_decide` the thresholds set how many
+    bytes the request holds, under the rate's ceiling, and its layers spend them as a rate does (off
+    by default: judging every layer at every compression costs decode time); without a fitted
+    calibration the rate alone decides either way.
     """
 
     name = "dynamic"
