@@ -48,7 +48,7 @@ class TrackedSequence(Protocol):
 
 @dataclass
 class CompressionMetrics:
-    """Per-request figures, as ARCHITECTURE.md defines them."""
+    """Per-request figures: a response's `compression_metrics` (the README defines each field)."""
 
     original_size: int
     compressed_size: int
