@@ -249,8 +249,6 @@ class LLMEngine:
             self._finish(seq, FinishReason.ERROR, outputs, finished, error=result.error)
             return
         token = result.token_id
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
         seq.token_ids.append(token)
         reason = None
         if token in self.eos_token_ids and not seq.params.ignore_eos:

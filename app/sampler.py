@@ -1,7 +1,7 @@
 """Turns logits into tokens: greedy, temperature, top-k, top-p, per-request seeds.
 
-Besides the token it reports how sure the model was (probability of the top token and entropy
-of the distribution the token was drawn from), which the compression engine uses as a signal, and,
+Besides the token it reports how sure the model was (the probability of the top token in the
+distribution the token was drawn from), which the compression engine uses as a signal, and,
 for requests that ask, log-probabilities of the model's own distribution (before temperature and
 cuts, as OpenAI's API reports them).
 """
@@ -26,7 +26,6 @@ class TokenLogprob:
 class SampleOutput:
     token_id: int | None  # None when sampling failed for this row
     top_prob: float
-    entropy: float
     error: str | None = None
     logprob: TokenLogprob | None = None  # only when the request asked for logprobs
 
@@ -38,18 +37,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     logprobs = torch.log_softmax(logits / temperatures.unsqueeze(1), dim=-1)
     probs = logprobs.exp()
     top_prob, greedy_ids = probs.max(dim=-1)
-    entropy = -(probs * logprobs.nan_to_num(neginf=0.0)).sum(dim=-1)
     # One transfer for the whole batch; the per-row work below stays on the host.
-    finite, top_prob, greedy_ids, entropy = (t.cpu() for t in (finite, top_prob, greedy_ids, entropy))
+    finite, top_prob, greedy_ids = (t.cpu() for t in (finite, top_prob, greedy_ids))
 
     outputs = []
     for row, (p, gen) in enumerate(zip(params, generators, strict=False)):
         if not finite[row]:
-            outputs.append(SampleOutput(None, 0.0, 0.0, "the model produced non-finite logits"))
+            outputs.append(SampleOutput(None, 0.0, "the model produced non-finite logits"))
             continue
         token = int(greedy_ids[row]) if p.greedy else _draw(logprobs[row], p, gen)
         report = _logprob(logits[row], token, p.logprobs) if p.logprobs is not None else None
-        outputs.append(SampleOutput(token, float(top_prob[row]), float(entropy[row]), logprob=report))
+        outputs.append(SampleOutput(token, float(top_prob[row]), logprob=report))
     return outputs
 
 

@@ -176,6 +176,5 @@ class Scheduler:
         self.running.remove(seq)
         self.store.free(seq.seq_id, preempted=True)
         seq.num_computed = 0
-        seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

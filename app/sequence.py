@@ -62,8 +62,6 @@ class Sequence:
     error: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    num_preemptions: int = 0
     generator: torch.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -125,11 +125,6 @@ class Settings(BaseSettings):
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def resolved_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        if self.dtype != "auto":
-            return getattr(torch, self.dtype)
-        return model_dtype if self.resolved_device().type == "cuda" else torch.float32
-
     def model_name(self) -> str:
         return self.served_model_name or (self.model_path.name if self.model_path else MODEL_NAME)
 
