@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -94,14 +94,12 @@ def test_an_entry_kept_before_stays_down_to_the_drop_line():
     assert tiers(kept) == ({0}, {1, 2}, {3})  # 0.6 is above low: it stays, as KEY_ONLY
 
 
-@pytest.fixture
-def by_position() -> Iterator[type[ScorePolicy]]:
-    """A policy whose retention confidence is fixed by position: every third entry 0.95, the next
-    0.8, the next 0.3; the thresholds then decide how many bytes the request holds."""
+def confidence_policy(name: str, confidence: Callable[[LayerEntries], torch.Tensor]) -> Iterator[type[ScorePolicy]]:
+    """A registered policy that ranks by position and gives `confidence(entries)` as its retention
+    confidence, so that the thresholds decide; unregistered afterwards."""
 
     @dataclass
-    class ByPosition(ScorePolicy):
-        name = "test_by_position"
+    class Confident(ScorePolicy):
         uses_attention = False
         uses_tiers = True
         thresholds_decide = True
@@ -110,10 +108,21 @@ def by_position() -> Iterator[type[ScorePolicy]]:
             return entries.positions.float()
 
         def retention(self, entries: LayerEntries, scores: torch.Tensor) -> torch.Tensor:
-            return torch.tensor([0.95, 0.8, 0.3])[entries.positions % 3]
+            return confidence(entries)
 
-    yield ByPosition
-    del POLICIES[ByPosition.name]
+    Confident.name = name
+    POLICIES[name] = Confident
+    yield Confident
+    del POLICIES[name]
+
+
+@pytest.fixture
+def by_position() -> Iterator[type[ScorePolicy]]:
+    """Every third entry 0.95, the next 0.8, the next 0.3: the thresholds then decide how many bytes
+    the request holds."""
+    yield from confidence_policy(
+        "test_by_position", lambda entries: torch.tensor([0.95, 0.8, 0.3])[entries.positions % 3]
+    )
 
 
 def test_a_requests_thresholds_decide_its_memory_under_the_rate_ceiling(tokenizer, by_position):
@@ -148,23 +157,10 @@ def test_a_requests_thresholds_decide_its_memory_under_the_rate_ceiling(tokenize
 
 @pytest.fixture
 def by_layer() -> Iterator[type[ScorePolicy]]:
-    """A policy sure of every entry of layer 0 (0.95) and of none of layer 1's (0.1)."""
-
-    @dataclass
-    class ByLayer(ScorePolicy):
-        name = "test_by_layer"
-        uses_attention = False
-        uses_tiers = True
-        thresholds_decide = True
-
-        def score(self, entries: LayerEntries) -> torch.Tensor:
-            return entries.positions.float()
-
-        def retention(self, entries: LayerEntries, scores: torch.Tensor) -> torch.Tensor:
-            return torch.full_like(scores, 0.95 if entries.layer == 0 else 0.1)
-
-    yield ByLayer
-    del POLICIES[ByLayer.name]
+    """Sure of every entry of layer 0 (0.95) and of none of layer 1's (0.1)."""
+    yield from confidence_policy(
+        "test_by_layer", lambda entries: torch.full(entries.positions.shape, 0.95 if entries.layer == 0 else 0.1)
+    )
 
 
 def test_the_thresholds_judge_the_request_and_every_layer_holds_as_much(tokenizer, by_layer):
