@@ -57,6 +57,10 @@ class CompressionMetricsModel(BaseModel):
         "under memory pressure); where thresholds decide, compressed_size may stay well below it"
     )
     compression_ratio: float = Field(description="compressed_size / original_size")
+    mean_compression_ratio: float = Field(
+        description="compression_ratio after every decode step, averaged over the request: where thresholds "
+        "decide, what it held over its life, not only at the end"
+    )
     hit_rate: float = Field(description="share of prompt tokens whose KV came from the prefix cache")
     prefix_parked: Literal["prompt", "request"] | None = Field(
         description="how the reused prefix was parked, both query-agnostic: `prompt`, an earlier prompt's KV "

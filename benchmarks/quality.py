@@ -10,8 +10,9 @@ Three tasks, all generated from text that ships with Python (benchmarks/tasks.py
   (every `compression_interval`), and each step's next-token distribution is compared with the
   uncompressed cache's: top-1 agreement and mean KL(uncompressed || compressed) per token. Unlike greedy
   ROUGE-L it does not flip on a near-tie, since one different token never changes what follows.
-Memory kept is measured for our setups (compressed bytes / uncompressed bytes, KEY_ONLY's int4 values
-and int8 storage counted as stored); for kvpress it is its `compression_ratio` (1 - ratio of fp32 entries).
+Memory kept is measured for our setups (compressed bytes / uncompressed bytes after every decode step,
+averaged over the request: `mean_compression_ratio`; KEY_ONLY's int4 values and int8 storage counted
+as stored); for kvpress it is its `compression_ratio` (1 - ratio of fp32 entries).
 Uniform int8 and int4 quantisation of every key and value run as their own rows at their own bytes.
 
 `dynamic` runs as shipped (with the value predictor when its weights are there); `dynamic, attention
@@ -64,7 +65,7 @@ PEERS_RUNNER = Path(__file__).resolve().parent / "peers" / "kvpress_runner.py"
 POLICIES = ("dynamic", "tova", "snapkv", "h2o", "knorm", "streaming_llm", "random")
 ATTENTION_ONLY = "dynamic, attention only"  # the dynamic policy without the value predictor
 DEFAULT_ROWS = ("dynamic", ATTENTION_ONLY)
-RATE_ONLY = "dynamic, rate only"  # dynamic as shipped, the rate alone deciding, in the thresholds sweep
+RATE_ONLY = "dynamic, rate only"  # dynamic with its thresholds off, the rate alone deciding: the sweep's comparison
 PPL_FORCED = 512  # the perplexity text's last tokens, teacher-forced; the rest is prefilled uncompressed
 PPL_INTERVAL = 128  # tokens between compressions in the perplexity task (kvpress's decoding press needs
 # more buffered queries than SnapKV's 64-token window; the same interval applies to every setup)
@@ -80,6 +81,7 @@ class Setup:
     source: str = "ours"  # or "kvpress"
     doubt_weight: float | None = None  # dynamic: its own default, or this weight on the tokens' sampling doubt
     thresholds: tuple[float, float] | None = None  # (high, medium): the config's, or these
+    thresholds_decide: bool | None = None  # dynamic: its own default, or this
 
 
 @dataclass
@@ -142,11 +144,13 @@ def setups(
         ]
         # The thresholds sweep: the rate is their ceiling.
         plan += [
-            Setup(f"dynamic, thresholds {h:g}/{m:g}", "int8", "dynamic", rate, thresholds=(h, m))
+            Setup(
+                f"dynamic, thresholds {h:g}/{m:g}", "int8", "dynamic", rate, thresholds=(h, m), thresholds_decide=True
+            )
             for h, m in thresholds or []
         ]
-    # Dynamic as shipped (its thresholds do not decide) at fixed rates: the sweep's comparison at equal bytes.
-    plan += [Setup(RATE_ONLY, "int8", "dynamic", rate) for rate in fixed_rates or []]
+    # Dynamic with the rate alone deciding, at fixed rates: the sweep's comparison at equal bytes.
+    plan += [Setup(RATE_ONLY, "int8", "dynamic", rate, thresholds_decide=False) for rate in fixed_rates or []]
     return plan
 
 
@@ -174,8 +178,9 @@ def request_of(setup: Setup, interval: int | None = None) -> dict:
     options = {}
     if setup.doubt_weight is not None:
         options["doubt_weight"] = setup.doubt_weight
+    if setup.thresholds_decide is not None:
+        options["thresholds_decide"] = setup.thresholds_decide
     if setup.thresholds is not None:
-        options["thresholds_decide"] = True
         request["thresholds"] = dict(zip(("high", "medium"), setup.thresholds, strict=True))
     if options:
         request["policy_options"] = {"dynamic": options}
@@ -398,7 +403,7 @@ def run_ours(args, model, tokenizer, tasks: Tasks, future_value: FutureValue | N
         texts, tokens, metrics, seconds = run_setup(model, tokenizer, setup, tasks, future_value)
         row = Row(setup, seconds=seconds)
         score(row, texts, rows[0] if rows else None, tasks)
-        row.memory_by_case = {name: m["compression_ratio"] for name, m in metrics.items()}
+        row.memory_by_case = {name: m["mean_compression_ratio"] for name, m in metrics.items()}
         row.memory_kept = statistics.mean(row.memory_by_case.values())
         row.perplexity, row.perplexity_memory_kept = perplexity(
             model, tasks.perplexity_ids, tasks.perplexity_prefill, setup, future_value
@@ -481,7 +486,8 @@ def report(rows: list[Row], args, tasks: Tasks) -> None:
         f"{len(tasks.perplexity_ids)} tokens ({tasks.perplexity_prefill} prefilled, the rest teacher-forced, "
         f"compressed every {PPL_INTERVAL}); default model, fp32, {_threads(args)}. "
         "Each cell: score (memory kept). "
-        "Memory kept is measured for ours (compressed / uncompressed bytes), 1 - compression_ratio for kvpress. "
+        "Memory kept is measured for ours (compressed / uncompressed bytes, averaged over each request's decode "
+        "steps), 1 - compression_ratio for kvpress. "
         f"Commit {args.commit}. "
         "Needle and fidelity scores are against each library's own uncompressed run. Teacher-forced fidelity "
         f"({sum(map(len, tasks.answers.values()))} forced tokens over {len(tasks.answers)} cases) is measured "
@@ -528,8 +534,9 @@ def thresholds_section(rows: list[Row]) -> list[str]:
         "",
         "#### Thresholds decide, the rate is a ceiling",
         "",
-        "Memory kept per request (compressed / uncompressed bytes, over the needle and summary cases) and quality "
-        "for dynamic deciding by each (high, medium) pair; '" + RATE_ONLY + "' is dynamic as shipped.",
+        "Memory kept per request (compressed / uncompressed bytes after every decode step, averaged over the "
+        "request, then over the needle and summary cases) and quality for dynamic deciding by each (high, medium) "
+        "pair; '" + RATE_ONLY + "' is dynamic with its thresholds off, the rate alone deciding.",
         "",
         "| setup | ceiling rate | memory kept, mean | min / median / max per request | needle | top-1 | KL | "
         "ROUGE-L | perplexity |",

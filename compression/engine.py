@@ -20,11 +20,21 @@ import torch
 
 from compression.config import CompressionParams
 from compression.kv_store import Keep, KVStore, LayerKV
-from compression.policy import plan_tiers
+from compression.policy import plan_tiers, threshold_bytes
 from compression.predictor.calibration import Calibration, Source
 from compression.predictor.misses import Dropped
 from compression.predictor.online import Forecast, FutureValue, PredictionJob
 from compression.scoring import LayerEntries, ScorePolicy
+
+
+class _Budget(NamedTuple):
+    """What one compression of a sequence may keep."""
+
+    ceiling: float  # bytes per layer the rate allows
+    per_layer: float  # bytes per layer it may keep: the ceiling, or less where the thresholds judged so
+    full_bytes: int  # of a FULL entry
+    key_only_bytes: int  # of a KEY_ONLY entry
+    judge: bool  # do the thresholds judge the request now (every layer)?
 
 
 class _Judged(NamedTuple):
@@ -54,6 +64,7 @@ class CompressionMetrics:
     compressed_size: int
     ceiling_size: int
     compression_ratio: float
+    mean_compression_ratio: float
     hit_rate: float
     prefix_parked: str | None
     recall_rate: float
@@ -74,11 +85,15 @@ class SequenceState:
     pressure_rate: float = 0.0  # raised under memory pressure, never lowered (dropped entries do not return)
     recall_sum: float = 0.0
     recall_count: int = 0
+    ratio_sum: float = 0.0  # compression_ratio after each decode step, summed (with `stats` only)
+    ratio_steps: int = 0
     audit: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> dropped keys
     misses: dict[int, Dropped] = field(default_factory=dict)  # layer -> dropped entries the predictor ranked
     confidences: list[float] = field(default_factory=list)  # top-token probability of each generated token
     predictions: int = 0  # compressions the value predictor ran for
     judged_until: int = 0  # entries below this position were kept by an earlier compression
+    compressions: int = 0  # compressions that changed or judged something
+    content_bytes_per_token: float | None = None  # per layer: what the thresholds kept at their last judgment
 
     @property
     def rate(self) -> float:
@@ -100,6 +115,8 @@ class SequenceState:
         self.misses.clear()
         self.predictions = 0
         self.judged_until = 0
+        self.compressions = 0
+        self.content_bytes_per_token = None
 
 
 class CompressionEngine:
@@ -186,6 +203,9 @@ class CompressionEngine:
             compressed_size=compressed,
             ceiling_size=int((1.0 - rate) * original),
             compression_ratio=compressed / original if original else 1.0,
+            mean_compression_ratio=state.ratio_sum / state.ratio_steps
+            if state.ratio_steps
+            else (compressed / original if original else 1.0),
             hit_rate=cached_tokens / state.prompt_len if state.prompt_len else 0.0,
             prefix_parked=prefix_parked if cached_tokens else None,
             recall_rate=state.recall_sum / state.recall_count if state.recall_count else 1.0,
@@ -266,17 +286,26 @@ class CompressionEngine:
                 due = state.steps_since_compression >= state.params.compression_interval
             if due:
                 ready.append((seq, state))
-        if not ready:
-            return 0.0
-        with self._on_side_stream():
-            predicted = self._predict([(seq, state) for seq, state in ready if self._uses_predictor(state)])
-            shared = (time.perf_counter() - started) / len(ready)  # the batched prediction, shared out
-            for seq, state in ready:
-                began = time.perf_counter()
-                self.compress(seq.seq_id, seq.num_computed, state, predicted.get(seq.seq_id))
-                state.steps_since_compression = 0
-                state.seconds += shared + time.perf_counter() - began
+        if ready:
+            with self._on_side_stream():
+                predicted = self._predict([(seq, state) for seq, state in ready if self._uses_predictor(state)])
+                shared = (time.perf_counter() - started) / len(ready)  # the batched prediction, shared out
+                for seq, state in ready:
+                    began = time.perf_counter()
+                    self.compress(seq.seq_id, seq.num_computed, state, predicted.get(seq.seq_id))
+                    state.steps_since_compression = 0
+                    state.seconds += shared + time.perf_counter() - began
+        self._note_ratios(sequences)
         return time.perf_counter() - started
+
+    def _note_ratios(self, sequences: list[TrackedSequence]) -> None:
+        """What each decoding sequence that asked for statistics holds now, for mean_compression_ratio."""
+        store = self.store
+        for seq in sequences:
+            state = self.states.get(seq.seq_id)
+            if state is not None and state.params.stats and state.prefilled and seq.seq_id in store:
+                state.ratio_sum += store.seq_bytes(seq.seq_id) / (seq.num_computed * store.model_token_bytes)
+                state.ratio_steps += 1
 
     def relieve(self, sequences: list[TrackedSequence]) -> bool:
         """Memory pressure: compress these sequences harder, a step at a time up to the ceiling.
@@ -329,7 +358,7 @@ class CompressionEngine:
         """Predicted future attention of every entry these sequences' compressions can change, in one batch."""
         jobs = []
         for seq, state in due:
-            layers = self._to_compress(seq.seq_id, state, *self._budget(seq.seq_id, seq.num_computed, state))
+            layers = self._to_compress(seq.seq_id, state, self._budget(seq.seq_id, seq.num_computed, state))
             if layers:
                 jobs.append(self._prediction_job(seq.seq_id, seq.num_computed, state, layers))
         return self.future_value.predict(self.store, jobs) if jobs else {}
@@ -347,15 +376,15 @@ class CompressionEngine:
         """Re-tier one sequence; `predicted` (by layer) is the predictor's output, when already computed."""
         params = state.params
         store = self.store
-        budget, full_bytes, key_only_bytes = self._budget(seq_id, num_tokens, state)
-        layers = self._to_compress(seq_id, state, budget, full_bytes, key_only_bytes)
+        budget = self._budget(seq_id, num_tokens, state)
+        layers = self._to_compress(seq_id, state, budget)
         if not layers:
             return  # nothing to remove: attention is still observed (traces, scores for later)
         if predicted is None and self._uses_predictor(state):
             job = self._prediction_job(seq_id, num_tokens, state, layers)
             predicted = self.future_value.predict(store, [job])[seq_id]
         confidence = self._token_confidence(state, num_tokens)
-        calibration = self._calibration(state)
+        calibration = self._calibration(state) if budget.judge else None
         judged = []
         for layer in layers:
             kv = store.layer(seq_id, layer)
@@ -374,13 +403,17 @@ class CompressionEngine:
                 seed=params.seed,
             )
             scores = state.policy.score(entries)
-            retention = state.policy.retention(entries, scores)
+            retention = state.policy.retention(entries, scores) if budget.judge else None
             judged.append(_Judged(layer, kv, protected, scores, retention, positions < state.judged_until))
-        budget = self._content_budget(judged, budget, full_bytes, key_only_bytes, state)
+        per_layer = budget.per_layer
+        if budget.judge:
+            per_layer = self._judge(judged, budget, state, num_tokens)
+        full_bytes, key_only_bytes = budget.full_bytes, budget.key_only_bytes
+        state.compressions += 1
         keep = {}
         for layer, kv, protected, scores, _, _ in judged:
             plan = plan_tiers(
-                scores, protected, kv.num_key_only, budget, full_bytes, key_only_bytes, state.policy.uses_tiers
+                scores, protected, kv.num_key_only, per_layer, full_bytes, key_only_bytes, state.policy.uses_tiers
             )
             if plan.dropped.numel() == 0 and plan.keep_key_only.numel() == kv.num_key_only:
                 continue
@@ -394,57 +427,62 @@ class CompressionEngine:
         if keep:
             store.retier(seq_id, keep)
 
-    def _content_budget(
-        self, judged: list[_Judged], ceiling: float, full_bytes: int, key_only_bytes: int, state: SequenceState
-    ) -> float:
-        """Bytes each layer may hold: where the policy gives retention confidences, the request's share of
-        what the thresholds keep over all its layers (under the rate's ceiling), so memory follows the
-        content of the request while every layer holds as much; else the ceiling.
+    def _judge(self, judged: list[_Judged], budget: _Budget, state: SequenceState, num_tokens: int) -> float:
+        """Bytes each layer may hold, as the thresholds judge the request: its share of what they keep
+        over all its layers (under the rate's ceiling), so memory follows the content of the request
+        while every layer holds as much. Remembered per token for the compressions until the next
+        judgment. Without retention confidences (no calibration, nothing observed yet) the rate decides.
 
         The thresholds judge the request, not each layer: letting them set each layer's bytes (few
         where attention is concentrated, many where it is diffuse) lost fidelity at equal bytes
         against a fixed rate (see docs/design.md)."""
-        if all(j.retention is None for j in judged):
-            return ceiling
-        held = 0
-        for j in judged:
-            plan = plan_tiers(
-                j.scores,
+        if any(j.retention is None for j in judged):
+            state.content_bytes_per_token = None
+            return budget.ceiling
+        held = sum(
+            threshold_bytes(
                 j.protected,
                 j.kv.num_key_only,
-                float("inf"),
-                full_bytes,
-                key_only_bytes,
+                budget.full_bytes,
+                budget.key_only_bytes,
                 state.policy.uses_tiers,
                 j.retention,
                 state.params.thresholds,
-                judged=j.judged,
+                j.judged,
             )
-            held += plan.keep_full.numel() * full_bytes + plan.keep_key_only.numel() * key_only_bytes
-        return min(ceiling, held / len(judged))
+            for j in judged
+        )
+        state.content_bytes_per_token = held / len(judged) / num_tokens
+        return min(budget.ceiling, held / len(judged))
 
-    def _budget(self, seq_id: int, num_tokens: int, state: SequenceState) -> tuple[float, int, int]:
-        """Bytes each layer may hold after this compression, and the bytes of a FULL and a KEY_ONLY entry."""
+    def _budget(self, seq_id: int, num_tokens: int, state: SequenceState) -> _Budget:
+        """What this compression may keep of each layer, and whether the thresholds judge the request now."""
         store = self.store
         rate = self.target_rate(state)
         full_bytes, key_only_bytes = store.entry_bytes(store.codec_of(seq_id))
         if rate <= 0.0:
-            return float("inf"), full_bytes, key_only_bytes
+            return _Budget(float("inf"), float("inf"), full_bytes, key_only_bytes, judge=False)
         per_token = store.model_token_bytes / store.num_layers
         # Tables hold whole blocks: leave room for a partial one of each of the three tables (keys,
         # values, key-only values: half a FULL entry, half, and a KEY_ONLY entry less a key).
         rounding = store.block_size * (full_bytes // 2 + key_only_bytes)
-        return (1.0 - rate) * num_tokens * per_token - rounding, full_bytes, key_only_bytes
+        ceiling = (1.0 - rate) * num_tokens * per_token - rounding
+        # The thresholds judge every layer's entries, so only every `prediction_refresh` compressions
+        # (when the predictor refreshes its forecasts); in between, what they kept per token holds.
+        judge = state.policy.thresholds_decide and state.compressions % state.params.prediction_refresh == 0
+        per_layer = ceiling
+        if state.content_bytes_per_token is not None and not judge:
+            per_layer = min(ceiling, state.content_bytes_per_token * num_tokens)
+        return _Budget(ceiling, per_layer, full_bytes, key_only_bytes, judge)
 
-    def _to_compress(
-        self, seq_id: int, state: SequenceState, budget: float, full_bytes: int, key_only_bytes: int
-    ) -> list[int]:
-        """The layers a compression may change (and scores): every layer where the policy's thresholds
-        decide, else only those holding more than the budget."""
-        if state.policy.thresholds_decide:
+    def _to_compress(self, seq_id: int, state: SequenceState, budget: _Budget) -> list[int]:
+        """The layers a compression may change (and scores): every layer when the thresholds judge the
+        request, else only those holding more than the budget."""
+        if budget.judge:
             return list(range(self.store.num_layers))
+        full, key_only = budget.full_bytes, budget.key_only_bytes
         held = [self.store.layer(seq_id, layer) for layer in range(self.store.num_layers)]
-        return [i for i, kv in enumerate(held) if kv.num_full * full_bytes + kv.num_key_only * key_only_bytes > budget]
+        return [i for i, kv in enumerate(held) if kv.num_full * full + kv.num_key_only * key_only > budget.per_layer]
 
     def _token_confidence(self, state: SequenceState, num_tokens: int) -> torch.Tensor:
         confidence = torch.ones(num_tokens + 1, device=self.store.device)

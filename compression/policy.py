@@ -13,9 +13,9 @@ spends what is left raising the best of them to their limit. So an entry is demo
 the budget or its own confidence needs, and the lowest-ranked go first. Protected entries
 (attention sinks, the recent window) are always kept as they are.
 
-The compression engine asks a plan with thresholds only to learn what they would keep; the bytes of
-all those layer plans, shared equally among the layers, become the budget of plans without them
-(`CompressionEngine._content_budget`).
+The compression engine asks the thresholds only what they would keep (`threshold_bytes`, the bytes
+of a plan under an unlimited budget); those bytes over all layers, shared equally among the layers,
+become the budget of plans without them (`CompressionEngine._content_budget`).
 """
 
 from __future__ import annotations
@@ -61,16 +61,8 @@ def plan_tiers(
     if confidence is not None:  # by confidence, ties (a calibration's flat steps) by score
         order = order[torch.argsort(confidence[order], descending=True, stable=True)]
     ko_ranked = was_key_only[order]
-    may_keep = torch.ones(order.numel(), dtype=torch.bool, device=device)
-    may_full = ~ko_ranked
-    if confidence is not None:
-        thresholds = thresholds or Thresholds()
-        ranked = confidence[order]
-        line = torch.full_like(ranked, thresholds.medium)
-        if judged is not None:
-            line[judged[order]] = thresholds.drop_line
-        may_keep = ranked >= line
-        may_full = may_keep & ~ko_ranked & ((ranked >= thresholds.high) | (not use_tiers))
+    may_keep, may_full = _limits(was_key_only, use_tiers, confidence, thresholds, judged)
+    may_keep, may_full = may_keep[order], may_full[order]
 
     if use_tiers:
         # Keep the best-ranked the budget holds at KEY_ONLY, then raise the best of them to their limit.
@@ -91,6 +83,45 @@ def plan_tiers(
         keep_key_only=torch.cat((protected_key_only, order[key_only])),
         dropped=order[~kept],
     )
+
+
+def threshold_bytes(
+    protected: torch.Tensor,
+    num_key_only: int,
+    full_bytes: int,
+    key_only_bytes: int,
+    use_tiers: bool,
+    confidence: torch.Tensor,
+    thresholds: Thresholds | None = None,
+    judged: torch.Tensor | None = None,
+) -> int:
+    """Bytes the thresholds alone would keep of one layer: what `plan_tiers` keeps under an unlimited
+    budget, counted without ranking."""
+    was_key_only = torch.arange(protected.numel(), device=protected.device) < num_key_only
+    may_keep, may_full = _limits(was_key_only, use_tiers, confidence, thresholds, judged)
+    kept, full = int((may_keep & ~protected).sum()), int((may_full & ~protected).sum())
+    protected_key_only = int((was_key_only & protected).sum())
+    protected_full = int(protected.sum()) - protected_key_only
+    return (full + protected_full) * full_bytes + (kept - full + protected_key_only) * key_only_bytes
+
+
+def _limits(
+    was_key_only: torch.Tensor,
+    use_tiers: bool,
+    confidence: torch.Tensor | None,
+    thresholds: Thresholds | None,
+    judged: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """May each entry be kept, and kept FULL: by the thresholds where there is a confidence, else
+    always (FULL unless it is KEY_ONLY already)."""
+    if confidence is None:
+        return torch.ones_like(was_key_only), ~was_key_only
+    thresholds = thresholds or Thresholds()
+    line = torch.full_like(confidence, thresholds.medium)
+    if judged is not None:
+        line[judged] = thresholds.drop_line
+    may_keep = confidence >= line
+    return may_keep, may_keep & ~was_key_only & ((confidence >= thresholds.high) | (not use_tiers))
 
 
 def _fits(budget: float, cost: int, most: int) -> int:

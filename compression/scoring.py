@@ -171,7 +171,7 @@ class Dynamic(ScorePolicy):
     name = "dynamic"
     uses_tiers = True
     uses_predictor = True
-    thresholds_decide: bool = False  # a field here: requests may turn it on (policy_options)
+    thresholds_decide: bool = True  # a field here: requests may turn it off (policy_options)
     decay: float = 0.95  # per observation
     kernel_size: int = 3
     doubt_weight: float = 0.5

@@ -95,8 +95,9 @@ def test_dynamic_turns_its_score_into_the_calibrated_probability():
     assert (policy.retention(doubtful, policy.score(doubtful))[1:] > retention[1:]).all()
     assert policy.retention(entries([1.0, 2.0], None), torch.ones(2)) is None
     assert policy.retention(entries([0.0, 0.0], table), torch.zeros(2)) is None
-    # As shipped, dynamic's thresholds do not decide: it gives no confidence.
-    assert make_policy("dynamic").retention(layer, policy.score(layer)) is None
+    # As shipped its thresholds decide; turned off, it gives no confidence and the rate decides.
+    assert torch.equal(make_policy("dynamic").retention(layer, policy.score(layer)), retention)
+    assert make_policy("dynamic", {"thresholds_decide": False}).retention(layer, policy.score(layer)) is None
 
 
 def test_a_forecast_is_measured_against_the_windows_average_share():
@@ -113,8 +114,8 @@ def test_the_default_model_ships_a_calibration_for_both_sources(default_model):
 
 
 def test_dynamics_thresholds_decide_its_memory_on_the_default_model(default_model, tokenizer):
-    """With the shipped predictor and calibration, once its thresholds decide: stricter thresholds
-    hold fewer bytes, all under the ceiling; as shipped, the rate alone decides."""
+    """With the shipped predictor and calibration, as shipped its thresholds decide: stricter thresholds
+    hold fewer bytes, all under the ceiling; turned off, the rate alone decides."""
     from app.engine import EngineConfig, LLMEngine, run_to_completion
     from benchmarks.corpus import paragraphs
     from compression.config import CompressionConfig, resolve
@@ -128,8 +129,8 @@ def test_dynamics_thresholds_decide_its_memory_on_the_default_model(default_mode
     def held(high: float | None = None, medium: float | None = None) -> dict:
         engine = LLMEngine(default_model, tokenizer, EngineConfig(max_cache_bytes=2**30), config, future_value)
         request = {"compression_rate": 0.6, "thresholds": {"high": high or 0.0, "medium": medium or 0.0}}
-        if high is not None:
-            request["policy_options"] = {"dynamic": {"thresholds_decide": True}}
+        if high is None:
+            request["policy_options"] = {"dynamic": {"thresholds_decide": False}}
         engine.add_request("r", prompt, greedy(4, ignore_eos=True), resolve(config, request, True, True))
         return run_to_completion(engine)["r"][-1].compression_metrics
 

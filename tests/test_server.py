@@ -236,6 +236,7 @@ def test_compression_stats_report_metrics(server):
         "compressed_size",
         "ceiling_size",
         "compression_ratio",
+        "mean_compression_ratio",
         "hit_rate",
         "recall_rate",
         "entries",
@@ -245,6 +246,8 @@ def test_compression_stats_report_metrics(server):
     assert metrics["policy"] == "dynamic"
     assert metrics["compression_ratio"] == pytest.approx(metrics["compressed_size"] / metrics["original_size"])
     assert metrics["compression_ratio"] <= 0.15 + 0.05  # one compression interval of slack
+    # Over the request too: compressed from the end of prefill on, each step at most one interval's slack.
+    assert 0.0 < metrics["mean_compression_ratio"] <= 0.15 + 0.05
     assert metrics["ceiling_size"] == pytest.approx(0.15 * metrics["original_size"], abs=1)
     assert 0.0 < metrics["recall_rate"] <= 1.0
     assert metrics["entries"]["dropped"] > 0

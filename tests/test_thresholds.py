@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from app.engine import run_to_completion
 from compression.config import Thresholds, resolve
 from compression.kv_store import BLOCK_SIZE
-from compression.policy import plan_tiers
+from compression.policy import plan_tiers, threshold_bytes
 from compression.scoring import POLICIES, LayerEntries, ScorePolicy
 from tests.helpers import greedy, make_engine, tiny_model
 
@@ -82,6 +82,21 @@ def test_higher_thresholds_never_keep_more_and_the_ceiling_is_never_exceeded(con
         assert all(confidence[i] <= min(kept, default=1.0) for i in dropped)  # lowest confidence first
     generous = [plan_tiers(c, protected, 0, UNLIMITED, FULL, KEY_ONLY, True, c, t) for t in (lower, higher)]
     assert cost(generous[1]) <= cost(generous[0])
+
+
+@settings(max_examples=200, deadline=None)
+@given(confidence=st.lists(st.floats(0, 1), min_size=1, max_size=40), thresholds=threshold_pairs, data=st.data())
+def test_the_thresholds_bytes_are_those_of_their_plan(confidence, thresholds, data):
+    """What the engine asks to size a request (counted without ranking) is what the plan would keep."""
+    n = len(confidence)
+    num_key_only = data.draw(st.integers(0, n))
+    use_tiers = data.draw(st.booleans())
+    judged = torch.tensor(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    protected = torch.tensor(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    c = torch.tensor(confidence)
+    plan = plan_tiers(c, protected, num_key_only, UNLIMITED, FULL, KEY_ONLY, use_tiers, c, thresholds, judged)
+    counted = threshold_bytes(protected, num_key_only, FULL, KEY_ONLY, use_tiers, c, thresholds, judged)
+    assert counted == cost(plan)
 
 
 def test_an_entry_kept_before_stays_down_to_the_drop_line():
