@@ -108,6 +108,7 @@ class Tasks:
     prompts: dict[str, list[int]]
     max_tokens: dict[str, int]
     perplexity_ids: list[int]
+    ignore_eos: set[str] = field(default_factory=set)  # cases that run their max_tokens in full (long answers)
     answers: dict[str, list[int]] = field(default_factory=dict)  # the uncompressed greedy answers
     reference: dict[str, torch.Tensor] = field(default_factory=dict)  # their uncompressed log-probs, forced
 
@@ -154,18 +155,26 @@ def setups(
     return plan
 
 
-def build_tasks(tokenizer, needles: int, summaries: int, ppl_tokens: int) -> Tasks:
+def build_tasks(tokenizer, needles: int, summaries: int, ppl_tokens: int, answer_tokens: int | None = None) -> Tasks:
+    """`answer_tokens`: summaries of exactly that many tokens, EOS ignored; else up to 48."""
     needle_set = needle_cases(tokenizer, needles, lengths=(1000, 2000, 3000))
     summary_set = fidelity_cases(tokenizer, summaries)
     prompts, max_tokens = {}, {}
     for case in [*needle_set, *summary_set]:
         text = tokenizer.apply_chat_template(case.messages, tokenize=False, add_generation_prompt=True)
         prompts[case.name] = tokenizer(text, add_special_tokens=False).input_ids
-        max_tokens[case.name] = 16 if case in needle_set else 48
+        max_tokens[case.name] = 16 if case in needle_set else answer_tokens or 48
     # Paragraphs from the far end of the corpus: the needle haystacks draw from all of it, but this is one
     # contiguous text, and the value predictor's traces start at the front.
     perplexity_ids = text_of_tokens(tokenizer, ppl_tokens, offset=400)
-    return Tasks(needle_set, summary_set, prompts, max_tokens, perplexity_ids)
+    return Tasks(
+        needle_set,
+        summary_set,
+        prompts,
+        max_tokens,
+        perplexity_ids,
+        ignore_eos={c.name for c in summary_set} if answer_tokens else set(),
+    )
 
 
 def request_of(setup: Setup, interval: int | None = None) -> dict:
@@ -202,7 +211,12 @@ def run_setup(
     )
     params = resolve(config, request_of(setup), True, True)
     for name, ids in tasks.prompts.items():
-        engine.add_request(name, ids, SamplingParams(max_tokens=tasks.max_tokens[name], temperature=0.0), params)
+        sampling = SamplingParams(
+            max_tokens=tasks.max_tokens[name],
+            temperature=0.0,
+            ignore_eos=name in tasks.ignore_eos,
+        )
+        engine.add_request(name, ids, sampling, params)
     texts = {name: "" for name in tasks.prompts}
     tokens: dict[str, list[int]] = {name: [] for name in tasks.prompts}
     metrics: dict[str, dict] = {}
@@ -342,6 +356,13 @@ def main() -> None:
     parser.add_argument("--model-path", type=Path, default=None)
     parser.add_argument("--needles", type=int, default=9, help="split evenly over 1k, 2k and 3k tokens")
     parser.add_argument("--summaries", type=int, default=4)
+    parser.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=None,
+        help="summaries of exactly this many tokens, EOS ignored (default: up to 48): generated tokens well past the "
+        "protected recent window, for the model-confidence ablation",
+    )
     parser.add_argument("--perplexity-tokens", type=int, default=2048)
     parser.add_argument("--rates", type=float, nargs="+", default=[0.4, 0.6, 0.75, 0.9])
     parser.add_argument("--policies", nargs="*", default=list(DEFAULT_ROWS), help="our rows (labels)")
@@ -387,7 +408,7 @@ def main() -> None:
     model, tokenizer = load_model(args.model_path, torch.device("cpu"))
     interval = CompressionConfig().score_interval
     future_value = load_future_value(predictor_path(args.model_path), model.config, torch.device("cpu"), interval)
-    tasks = build_tasks(tokenizer, args.needles, args.summaries, args.perplexity_tokens)
+    tasks = build_tasks(tokenizer, args.needles, args.summaries, args.perplexity_tokens, args.answer_tokens)
 
     with peers_alongside(args, tasks, peers_threads) if args.peers else contextlib.nullcontext() as peers:
         rows = load_rows(args.ours_from) if args.ours_from else run_ours(args, model, tokenizer, tasks, future_value)
@@ -480,9 +501,10 @@ TASKS = {  # name: (title, column header, how a row gives its score, higher is b
 def report(rows: list[Row], args, tasks: Tasks) -> None:
     lengths = sorted({c.context_tokens for c in tasks.needles})
     rates = sorted({r.setup.rate for r in rows if r.setup.rate})
+    summary_tokens = f"{args.answer_tokens}-token (EOS ignored)" if args.answer_tokens else "48-token"
     lines = [
         f"{len(tasks.needles)} needle cases ({', '.join(map(str, lengths))} tokens of text, fact at depths "
-        f"0.1-0.9), {len(tasks.summaries)} greedy 48-token summaries of ~800-token passages, perplexity of "
+        f"0.1-0.9), {len(tasks.summaries)} greedy {summary_tokens} summaries of ~800-token passages, perplexity of "
         f"{len(tasks.perplexity_ids)} tokens ({tasks.perplexity_prefill} prefilled, the rest teacher-forced, "
         f"compressed every {PPL_INTERVAL}); default model, fp32, {_threads(args)}. "
         "Each cell: score (memory kept). "

@@ -164,3 +164,15 @@ def test_the_confidence_ablation_sets_dynamics_doubt_weight():
     weights = [resolve(CompressionConfig(), quality.request_of(s), True, False).scorer().doubt_weight for s in ablation]
     assert weights == [0.5, 0.0, -0.5]
     assert resolve(CompressionConfig(), quality.request_of(plan[3]), True, False).scorer().doubt_weight == 0.5
+
+
+def test_long_answers_run_their_length_in_full(default_model, tokenizer):
+    """The model-confidence ablation's answers: every summary exactly as long as asked, EOS ignored,
+    so generated tokens leave the protected recent window."""
+    tasks = quality.build_tasks(tokenizer, 0, 1, 600, answer_tokens=40)
+    assert tasks.max_tokens == {"summary-0": 40} and tasks.ignore_eos == {"summary-0"}
+    _, tokens, _, _ = quality.run_setup(
+        default_model, tokenizer, Setup("uncompressed", "auto", "none", 0.0), tasks, None
+    )
+    assert len(tokens["summary-0"]) == 40
+    assert quality.build_tasks(tokenizer, 0, 1, 600).ignore_eos == set()  # as shipped: up to 48, EOS ends them
