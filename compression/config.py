@@ -154,10 +154,9 @@ class CompressionParams(CompressionConfig):
             return f"none/{self.kv_cache_dtype}"
         return self.model_dump_json(exclude={"stats"})
 
-    def scorer(self) -> ScorePolicy:
-        """This request's policy with its options (a request that does not compress is only observed)."""
-        name = self.policy if self.active else "h2o"
-        return make_policy(name, self.policy_options.get(name))
+    def scorer(self) -> ScorePolicy | None:
+        """This request's policy with its options; None for a request that does not compress."""
+        return make_policy(self.policy, self.policy_options.get(self.policy)) if self.active else None
 
 
 def _optional(field: FieldInfo) -> tuple[Any, FieldInfo]:

@@ -76,7 +76,7 @@ class CompressionMetrics:
 @dataclass
 class SequenceState:
     params: CompressionParams
-    policy: ScorePolicy
+    policy: ScorePolicy | None  # None: the request does not compress (nothing is observed or scored)
     prompt_len: int
     prefilled: bool = False
     steps_since_compression: int = 0

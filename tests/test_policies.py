@@ -137,3 +137,11 @@ def test_prediction_window_is_the_predictors_or_refused():
     assert compressor.params.prediction_window == 32
     with pytest.raises(InvalidCompression, match="forecasts 32 tokens ahead"):
         DynamicKVCompressor(max_cache_size=64, future_value=future_value, config=config, prediction_window=128)
+
+
+def test_a_request_that_does_not_compress_builds_no_policy():
+    config = CompressionConfig()
+    assert resolve(config, {"policy": "none"}, True, False).scorer() is None
+    assert resolve(config, {"policy": "h2o"}, False, False).scorer() is None  # compression off server-wide
+    assert resolve(config, {"enabled": False}, True, False).scorer() is None
+    assert resolve(config, {"policy": "h2o"}, True, False).scorer() == make_policy("h2o")
