@@ -407,19 +407,38 @@ def test_a_burst_is_bounded_by_the_queue_and_never_exceeds_the_kv_budget(default
     )
     try:
         prompt = " ".join(f"Line {i} of a long document about boxes." for i in range(40))
-        # EOS ignored: every answer runs its length, so none ends while the burst (~0.1 s) is accepted;
-        # the budget holds one such request at a time.
+        # Streams, EOS ignored: a request's status comes back as soon as it is admitted or refused, and
+        # every admitted one stays open (running or queued) until the whole burst has its answer and the
+        # first has started, so no place is given back while the burst is decided, however slowly the
+        # machine runs it. The budget holds about one such request at a time.
         body = {
             "prompt": prompt,
-            "max_tokens": 32,
+            "max_tokens": 200,
             "temperature": 0.7,
             "ignore_eos": True,
+            "stream": True,
             "compression": {"enabled": False},
         }
+        burst_size = 20
 
-        async def burst() -> list[httpx.Response]:
+        async def burst() -> list[tuple[int, str | None]]:
+            answers: list[tuple[int, str | None]] = []
+            release = asyncio.Event()
+
+            async def one(client: httpx.AsyncClient) -> None:
+                async with client.stream("POST", f"{srv.url}/generate", json=body) as r:
+                    answers.append((r.status_code, r.headers.get("retry-after")))
+                    await release.wait()  # leaving closes the stream: the server aborts the request
+
+            async def release_when_decided_and_running() -> None:
+                while len(answers) < burst_size or peak == 0.0:
+                    await asyncio.sleep(0.05)
+                release.set()
+
             async with httpx.AsyncClient(timeout=300) as client:
-                return await asyncio.gather(*(client.post(f"{srv.url}/generate", json=body) for _ in range(20)))
+                requests = (one(client) for _ in range(burst_size))
+                await asyncio.wait_for(asyncio.gather(release_when_decided_and_running(), *requests), 120)
+            return answers
 
         peak = 0.0
         done = threading.Event()
@@ -437,21 +456,27 @@ def test_a_burst_is_bounded_by_the_queue_and_never_exceeds_the_kv_budget(default
         finally:
             done.set()
             watcher.join()
-        codes = [a.status_code for a in answers]
+        codes = [code for code, _ in answers]
         # Served or refused, nothing else; places are taken as the burst arrives, before any request runs.
         assert set(codes) == {200, 503}, codes
         assert codes.count(200) <= 8, codes  # max_num_seqs + max_queue_size
-        assert all(a.headers["retry-after"] for a in answers if a.status_code == 503)
+        assert all(retry for code, retry in answers if code == 503)
         assert 0 < peak <= 1.0
+        deadline = time.monotonic() + 60  # the abandoned streams are aborted within a step or two
+        while srv.metric("kv_cache_bytes", '{pool="running"}') and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert srv.metric("kv_cache_bytes", '{pool="running"}') == 0
 
         # Streams give their places back, also when the client leaves mid-stream: more of them than the
         # queue holds, one after another, and then a request is still accepted.
-        short = {**body, "max_tokens": 4, "stream": True}
+        short = {**body, "max_tokens": 4}
         for _ in range(9):
             with httpx.stream("POST", f"{srv.url}/generate", json=short, timeout=60) as r:
                 assert r.status_code == 200
                 next(r.iter_lines())
-        assert httpx.post(f"{srv.url}/generate", json={**body, "max_tokens": 2}, timeout=60).status_code == 200
+        assert (
+            httpx.post(f"{srv.url}/generate", json={**body, "max_tokens": 2, "stream": False}, timeout=60).status_code
+            == 200
+        )
     finally:
         srv.stop()
