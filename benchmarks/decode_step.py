@@ -7,7 +7,7 @@ prefilled their decode steps take turns one step at a time, so that drift on thi
 hits every setup alike. With `--baseline REV` the same setups also run on the code of git revision
 REV (a temporary worktree, in its own process, before this tree's).
 
-    python benchmarks/decode_step.py                       # 16 x 2000 tokens, off / 0.6 / 0.75 / 0.875
+    python benchmarks/decode_step.py                       # 16 x 2000 tokens: off, 0.6 (thresholds on, off), 0.75, 0.875
     python benchmarks/decode_step.py --baseline HEAD~3     # and the same on an older revision
     python benchmarks/decode_step.py --profile-seqs 32     # also: the Python share of a decode step
     python benchmarks/decode_step.py --setups --profile-seqs 32 --out benchmarks/results/decode_step_profile
@@ -32,11 +32,13 @@ from benchmarks.report import commit_of, save_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-SETUPS = {  # label -> (policy, rate)
-    "compression off": ("none", 0.0),
-    "int8, rate 0.6": ("dynamic", 0.6),
-    "int8, rate 0.75": ("dynamic", 0.75),
-    "int8, rate 0.875": ("dynamic", 0.875),
+RATE_ONLY = {"policy_options": {"dynamic": {"thresholds_decide": False}}}
+SETUPS = {  # label -> request (dynamic's thresholds decide under the rate's ceiling unless turned off)
+    "compression off": {"policy": "none", "compression_rate": 0.0},
+    "int8, rate 0.6": {"policy": "dynamic", "compression_rate": 0.6},
+    "int8, rate 0.6, thresholds off": {"policy": "dynamic", "compression_rate": 0.6, **RATE_ONLY},
+    "int8, rate 0.75": {"policy": "dynamic", "compression_rate": 0.75},
+    "int8, rate 0.875": {"policy": "dynamic", "compression_rate": 0.875},
 }
 MATMULS = {"aten::mm", "aten::addmm", "aten::bmm"}
 
@@ -71,8 +73,7 @@ def measure(
             config,
             future_value,
         )
-        policy, rate = SETUPS[setup]
-        params = resolve(config, {"policy": policy, "compression_rate": rate}, True, False)
+        params = resolve(config, SETUPS[setup], True, False)
         for i in range(seqs):
             prompt = text_of_tokens(tokenizer, prompt_tokens, offset=11 * i)
             sampling = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
@@ -80,6 +81,7 @@ def measure(
         engines[setup] = engine
     durations = {setup: [] for setup in setups}
     compression = {setup: [] for setup in setups}
+    kv_bytes = {setup: [] for setup in setups}
     with torch.inference_mode(), tqdm(total=len(setups) * seqs * steps, desc=code_root.name, leave=False) as bar:
         for engine in engines.values():  # prefill each, up to its first pure decode step
             while engine.last_step is None or engine.last_step.num_tokens != seqs:
@@ -95,10 +97,13 @@ def measure(
                 if stats.num_seqs == seqs and stats.num_tokens == seqs:  # pure decode steps
                     durations[setup].append(stats.duration_s)
                     compression[setup].append(stats.compression_s)
+                    kv_bytes[setup].append(engine.compression.store.used_bytes)
     return {
         setup: {
             "median_step_ms": 1000 * statistics.median(durations[setup]),
             "median_compression_ms": 1000 * statistics.median(compression[setup]),
+            "mean_compression_ms": 1000 * statistics.mean(compression[setup]),
+            "median_kv_mib": statistics.median(kv_bytes[setup]) / 2**20,
             "decode_steps": len(durations[setup]),
         }
         for setup in setups
@@ -212,15 +217,18 @@ def table(data: dict, args: argparse.Namespace) -> str:
             f"threads, median of {args.steps}-token runs' pure decode steps, the setups' steps taking turns in one "
             f"process; {command}.",
             "",
-            "| code | setup | median decode step | vs compression off | compression engine (median) |",
-            "| --- | --- | ---: | ---: | ---: |",
+            "| code | setup | median decode step | vs compression off | compression engine (median / mean) | "
+            "KV held (median) |",
+            "| --- | --- | ---: | ---: | ---: | ---: |",
         ]
     for tree, rows in data["results"].items():
         off = rows.get("compression off", {}).get("median_step_ms")
         for setup, row in rows.items():
             step, engine = row["median_step_ms"], row["median_compression_ms"]
             ratio = f"{step / off:.2f}x" if off else "-"
-            lines.append(f"| {tree} | {setup} | {step:.0f} ms | {ratio} | {engine:.1f} ms |")
+            mean = f" / {row['mean_compression_ms']:.1f}" if "mean_compression_ms" in row else ""  # older revisions
+            kv = f"{row['median_kv_mib']:.0f} MiB" if "median_kv_mib" in row else "-"
+            lines.append(f"| {tree} | {setup} | {step:.0f} ms | {ratio} | {engine:.1f}{mean} ms | {kv} |")
     if data["profiles"]:
         lines += [
             "",
