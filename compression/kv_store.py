@@ -28,19 +28,32 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+import psutil
 import torch
 
 from compression.block_pool import BlockPool, Codec
 from compression.paged_attention import DecodeBatch
+from models.loader import KVShape
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 BLOCK_SIZE = 16
 KEYS, VALUES, KEY_ONLY = 0, 1, 2  # the three tables of a (sequence, layer)
 # What a parked cache keeps of its bookkeeping: what adoption reads. Observations and forecasts
 # answered the parking request's questions; an adopter starts them afresh.
 PARKED_META = {"positions": torch.int32, "key_norm": torch.float16}
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory on `device`, what a max_cache_size percentage is a share of: the GPU's on CUDA,
+    the system's otherwise."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return psutil.virtual_memory().total
 
 
 class KVBudgetExceeded(RuntimeError):
@@ -158,6 +171,21 @@ class KVStore:
         self.meta: dict[str, torch.Tensor] = {}
         self._grow_meta(0, 64)
         self.parked_bookkeeping_bytes = 0  # of the parked caches alive
+
+    @classmethod
+    def for_model(cls, model: PreTrainedModel, max_bytes: int, key_only_bits: int, history_steps: int = 0) -> KVStore:
+        """A store shaped for `model`'s KV cache, on its device and computing in its dtype."""
+        shape = KVShape.of(model.config)
+        return cls(
+            num_layers=shape.num_layers,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            max_bytes=max_bytes,
+            dtype=model.dtype,
+            device=next(model.parameters()).device,
+            key_only_bits=key_only_bits,
+            history_steps=history_steps,
+        )
 
     def make_codec(self, storage: torch.dtype | str | None) -> Codec:
         """A codec for `storage`: None or "auto" is the model's dtype; a float dtype name; "int8"; "int4"."""
