@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Cache, LogitsProcessorList, PreTrainedModel
 
-from compression.attention import ATTENTION_NAME, PackedBatch, Segment
+from compression.attention import ATTENTION_NAME, PackedBatch, Segment, register_attention
 from compression.config import CompressionConfig, parse_size, resolve
 from compression.engine import CompressionEngine, CompressionMetrics
 from compression.kv_store import KVStore, device_memory
@@ -128,6 +128,7 @@ class DynamicKVCompressor(Cache):
         """Route the model's attention through the compressed store while inside the block."""
         self._reset(model)
         previous = model.config._attn_implementation
+        register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
         handle = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         try:
