@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Annotated
 
 import torch
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -98,6 +98,28 @@ def warm_up(engine: LLMEngine, settings: Settings) -> None:
 
 
 def create_app(settings: Settings) -> FastAPI:
+    app = FastAPI(
+        title="CONF-KV",
+        version="0.1.0",
+        lifespan=_lifespan(settings),
+        responses={413: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
+        exception_handlers={
+            APIError: _api_error,
+            StarletteHTTPException: _http_error,
+            EngineDeadError: _engine_dead,
+            RequestValidationError: _invalid,
+        },
+    )
+    app.include_router(openai_router)
+    app.include_router(router)
+    _add_middleware(app, settings)
+    _document_served_model(app, settings.model_name())
+    return app
+
+
+def _lifespan(settings: Settings) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Load the model and run the engine while the app serves; stop the engine on shutdown."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics = Metrics()
@@ -117,14 +139,10 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             runner.stop()
 
-    app = FastAPI(
-        title="CONF-KV",
-        version="0.1.0",
-        lifespan=lifespan,
-        responses={413: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
-    )
+    return lifespan
 
-    app.include_router(openai_router)
+
+def _add_middleware(app: FastAPI, settings: Settings) -> None:
     # Outermost last: the size limit and the key check answer before any body is parsed.
     if settings.cors_allow_origins:
         app.add_middleware(
@@ -136,67 +154,75 @@ def create_app(settings: Settings) -> FastAPI:
         app.add_middleware(APIKeyMiddleware, keys=keys, open_paths=open_paths)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(JSONBodyMiddleware)
-    _document_served_model(app, settings.model_name())
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error(request, exc.status, exc.type, exc.message, exc.headers, exc.param)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # FastAPI's own refusals (unreadable body, unknown route, wrong method) in our error shape.
-        kinds = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}
-        return _error(request, exc.status_code, kinds.get(exc.status_code, "http_error"), str(exc.detail), exc.headers)
+# ----- errors ---------------------------------------------------------------------------------
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return _error(request, exc.status, exc.type, exc.message, exc.headers, exc.param)
 
-    @app.exception_handler(EngineDeadError)
-    async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        request.app.state.metrics.requests.labels("503").inc()  # counted, so the 5xx alert sees a dead engine
-        return _error(request, 503, "engine_unavailable", f"{exc}; restart the server", {"Retry-After": "5"})
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        fields = ", ".join(".".join(str(p) for p in e["loc"] if p != "body") or "body" for e in errors)
-        message = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in errors
-        )
-        openai = _is_openai(request)
-        if hasattr(request.app.state, "metrics"):
-            request.app.state.metrics.requests.labels("400" if openai else "422").inc()
-        if openai:  # OpenAI answers invalid parameters with 400 and names the first in `param`
-            return _error(request, 400, "invalid_request", message, param=fields.split(", ")[0])
-        body = {"error": {"type": "invalid_request", "message": message, "fields": fields}, "detail": _jsonable(errors)}
-        return JSONResponse(status_code=422, content=body)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    # FastAPI's own refusals (unreadable body, unknown route, wrong method) in our error shape.
+    kinds = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}
+    return _error(request, exc.status_code, kinds.get(exc.status_code, "http_error"), str(exc.detail), exc.headers)
 
-    @app.post("/generate", response_model=GenerateResponse, response_model_exclude_none=True)
-    async def generate(body: GenerateRequest, request: Request, service: Annotated[GenerateService, Depends(_service)]):
-        prepared = await service.prepare(body)
-        if body.stream:
-            return service.event_stream(prepared, service.stream(prepared))
-        return await service.generate(prepared, request)
 
-    @app.get("/health")
-    async def health(request: Request) -> dict:
-        engine: AsyncEngine | None = getattr(request.app.state, "engine", None)
-        if engine is not None and engine.error is not None:
-            return JSONResponse(status_code=503, content={"status": "engine_failed", "error": repr(engine.error)})
-        return {"status": "ok"}
+async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+    request.app.state.metrics.requests.labels("503").inc()  # counted, so the 5xx alert sees a dead engine
+    return _error(request, 503, "engine_unavailable", f"{exc}; restart the server", {"Retry-After": "5"})
 
-    @app.get("/ready")
-    async def ready(request: Request):
-        engine: AsyncEngine | None = getattr(request.app.state, "engine", None)
-        if engine is None or not engine.is_running:
-            return JSONResponse(status_code=503, content={"status": "not_ready"})
-        if request.app.state.service.draining:
-            return JSONResponse(status_code=503, content={"status": "shutting_down"})
-        return {"status": "ready"}
 
-    @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        registry = request.app.state.metrics.registry
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    fields = ", ".join(".".join(str(p) for p in e["loc"] if p != "body") or "body" for e in errors)
+    message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in errors)
+    openai = _is_openai(request)
+    if hasattr(request.app.state, "metrics"):
+        request.app.state.metrics.requests.labels("400" if openai else "422").inc()
+    if openai:  # OpenAI answers invalid parameters with 400 and names the first in `param`
+        return _error(request, 400, "invalid_request", message, param=fields.split(", ")[0])
+    body = {"error": {"type": "invalid_request", "message": message, "fields": fields}, "detail": _jsonable(errors)}
+    return JSONResponse(status_code=422, content=body)
 
-    return app
+
+# ----- routes ---------------------------------------------------------------------------------
+def _service(request: Request) -> GenerateService:
+    return request.app.state.service
+
+
+router = APIRouter()
+
+
+@router.post("/generate", response_model=GenerateResponse, response_model_exclude_none=True)
+async def generate(body: GenerateRequest, request: Request, service: Annotated[GenerateService, Depends(_service)]):
+    prepared = await service.prepare(body)
+    if body.stream:
+        return service.event_stream(prepared, service.stream(prepared))
+    return await service.generate(prepared, request)
+
+
+@router.get("/health")
+async def health(request: Request) -> dict:
+    engine: AsyncEngine | None = getattr(request.app.state, "engine", None)
+    if engine is not None and engine.error is not None:
+        return JSONResponse(status_code=503, content={"status": "engine_failed", "error": repr(engine.error)})
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(request: Request):
+    engine: AsyncEngine | None = getattr(request.app.state, "engine", None)
+    if engine is None or not engine.is_running:
+        return JSONResponse(status_code=503, content={"status": "not_ready"})
+    if request.app.state.service.draining:
+        return JSONResponse(status_code=503, content={"status": "shutting_down"})
+    return {"status": "ready"}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    registry = request.app.state.metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def _document_served_model(app: FastAPI, name: str) -> None:
@@ -211,10 +237,6 @@ def _document_served_model(app: FastAPI, name: str) -> None:
         return app.openapi_schema
 
     app.openapi = openapi
-
-
-def _service(request: Request) -> GenerateService:
-    return request.app.state.service
 
 
 def _is_openai(request: Request) -> bool:

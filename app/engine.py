@@ -24,7 +24,6 @@ from compression.kv_store import KVStore
 from compression.predictor.calibration import Calibration, Source
 from compression.predictor.online import FutureValue, load_retention, predictor_path
 from compression.prefix_cache import PrefixCache
-from models.loader import KVShape
 
 log = logging.getLogger(__name__)
 
@@ -83,16 +82,11 @@ class LLMEngine:
         self.config = config
         self.compression_config = compression or CompressionConfig()
         cfg = model.config
-        shape = KVShape.of(cfg)
-        self.store = KVStore(
-            num_layers=shape.num_layers,
-            num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
-            max_bytes=config.max_cache_bytes,
-            dtype=model.dtype,
-            device=next(model.parameters()).device,
-            key_only_bits=self.compression_config.key_only_value_bits,
-            history_steps=future_value.history_steps if future_value else 0,
+        self.store = KVStore.for_model(
+            model,
+            config.max_cache_bytes,
+            self.compression_config.key_only_value_bits,
+            future_value.history_steps if future_value else 0,
         )
         self.compression = CompressionEngine(
             self.store,

@@ -28,7 +28,14 @@ _EVICTION_REASONS = ("compression", "preemption", "prefix_cache")
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
+        # Registered in this order, which is the order a scrape lists them in.
+        self._add_request_metrics(self.registry)
+        self._add_occupancy_metrics(self.registry)
+        self._add_compression_metrics(self.registry)
+        self._add_engine_metrics(self.registry)
+
+    def _add_request_metrics(self, r: CollectorRegistry) -> None:
+        """Per finished request: counts, tokens and latencies."""
         self.requests = Counter(
             "requests",
             "Finished requests by status (finish reason, or the HTTP code of a refusal)",
@@ -58,6 +65,9 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+    def _add_occupancy_metrics(self, r: CollectorRegistry) -> None:
+        """What the engine holds now: requests, KV cache bytes and device memory."""
         self.running = Gauge("requests_running", "Requests running in the engine", registry=r)
         self.waiting = Gauge("requests_waiting", "Requests waiting to be admitted", registry=r)
         self.kv_memory = Gauge("kv_cache_memory_bytes", "All KV cache bytes held (every pool)", registry=r)
@@ -76,6 +86,9 @@ class Metrics:
             "Share of the device's memory in use (GPU memory on CUDA, system memory on CPU)",
             registry=r,
         )
+
+    def _add_compression_metrics(self, r: CollectorRegistry) -> None:
+        """KV memory pressure and what compression does about it."""
         self.preemptions = Counter("kv_preemptions", "Sequences preempted to free KV memory", registry=r)
         self.oom_errors = Counter(
             "kv_oom_errors",
@@ -100,6 +113,9 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
             registry=r,
         )
+
+    def _add_engine_metrics(self, r: CollectorRegistry) -> None:
+        """The engine loop: steps, liveness, and the SLO targets the alerts compare against."""
         self.batch_size = Histogram(
             "batch_size", "Sequences in one engine step", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r
         )

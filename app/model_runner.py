@@ -1,10 +1,11 @@
 """One packed forward pass of every scheduled sequence through a transformers model.
 
 All sequences of a step are concatenated along the token axis of a single batch row. A custom
-attention function, registered with transformers' `AttentionInterface`, receives the packed batch
-description as a keyword argument, writes each segment's new keys and values into our `KVStore`
-and attends each segment's queries to that sequence's cached entries only. Positions are passed
-explicitly, so a token keeps its true RoPE position even after entries before it were evicted.
+attention function, registered with transformers' `AttentionInterface` when the runner is made,
+receives the packed batch description as a keyword argument, writes each segment's new keys and
+values into our `KVStore` and attends each segment's queries to that sequence's cached entries
+only. Positions are passed explicitly, so a token keeps its true RoPE position even after entries
+before it were evicted.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from compression.attention import ATTENTION_NAME, AttentionObserver, PackedBatch, Segment
+from compression.attention import ATTENTION_NAME, AttentionObserver, PackedBatch, Segment, register_attention
 from compression.kv_store import KVStore
 
 
@@ -35,6 +36,7 @@ class ModelRunner:
         self.model = model
         self.store = store
         self.device = next(model.parameters()).device
+        register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
 
     @torch.inference_mode()

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar, Literal
 
-import psutil
 import torch
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
@@ -13,6 +12,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from app.schemas import ChatMessage
 from compression.config import DEFAULT_FILE as DEFAULT_COMPRESSION_FILE
 from compression.config import CompressionConfig, parse_size
+from compression.kv_store import device_memory
 from models.default_model import MODEL_NAME
 
 
@@ -132,11 +132,7 @@ class Settings(BaseSettings):
         return CompressionConfig.load(self.compression_config or DEFAULT_COMPRESSION_FILE)
 
     def max_cache_bytes(self) -> int:
-        device = self.resolved_device()
-        if device.type == "cuda":
-            total = torch.cuda.get_device_properties(device).total_memory
-        else:
-            total = psutil.virtual_memory().total
+        total = device_memory(self.resolved_device())
         return parse_size(self.max_cache_size or self.compression().max_cache_size, total)
 
 

@@ -40,7 +40,7 @@ from compression.predictor.calibration import reliability  # noqa: E402
 from compression.predictor.features import FEATURES, unscaled_attention  # noqa: E402
 from compression.predictor.online import load_future_value, load_retention, predictor_path  # noqa: E402
 from compression.predictor.train import load_traces  # noqa: E402
-from compression.scoring import make_policy  # noqa: E402
+from compression.scoring import LayerEntries, make_policy  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -52,19 +52,41 @@ def feature(windows: torch.Tensor, name: str, step: int = LATEST) -> torch.Tenso
 
 
 def scorers(traces: dict[str, torch.Tensor], predicted: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Higher keeps. Attention features are stored scaled (log1p); sums are taken on the masses."""
+    """Higher keeps. Attention features are stored scaled (log1p); sums are taken on the masses.
+
+    The baselines that score each entry on its own are the serving policies themselves. Dynamic and
+    SnapKV pool over neighbouring positions, and a group's samples are random entries of a layer,
+    not neighbours: their rows score by the attention they pool, unpooled."""
     windows = traces["windows"]
     latest_window = unscaled_attention(windows[:, :, FEATURES.index("attention_last")]).sum(dim=1)
+    latest_query = unscaled_attention(feature(windows, "attention_last"))
     return {
         "value predictor (LSTM)": predicted,
         "dynamic's decayed attention (no predictor)": feature(windows, "attention_decayed"),
-        "H2O: accumulated attention": traces["accumulated"],
-        "TOVA: latest query": feature(windows, "attention_last"),
+        "H2O: accumulated attention": policy_score("h2o", windows, traces["accumulated"]),
+        "TOVA: latest query": policy_score("tova", windows, latest_query),
         "SnapKV-like: the last observations": latest_window,
-        "Knorm: smallest key norm": -feature(windows, "key_norm"),
-        "StreamingLLM: most recent": feature(windows, "position"),
+        "Knorm: smallest key norm": policy_score("knorm", windows),
+        "StreamingLLM: most recent": policy_score("streaming_llm", windows),
         "oracle: the future attention itself": traces["targets"],
     }
+
+
+def policy_score(name: str, windows: torch.Tensor, attention: torch.Tensor | None = None) -> torch.Tensor:
+    """The serving policy `name`'s score of every sample, by its latest observation; `attention` as
+    the policy accumulates it. The policies scored here treat each entry on its own, so one call
+    scores the samples of every group."""
+    entries = LayerEntries(
+        # Traces keep each key's norm (mean over heads), not the key: a one-element key of that norm scores the same.
+        keys=feature(windows, "key_norm").view(1, -1, 1),
+        # Relative to the query, which a group's samples share: the order of their absolute positions.
+        positions=feature(windows, "position"),
+        attention=torch.zeros(len(windows)) if attention is None else attention,
+        token_confidence=feature(windows, "token_confidence"),
+        position=0,
+        layer=0,
+    )
+    return make_policy(name).score(entries)
 
 
 def captured_share(scores: torch.Tensor, future: torch.Tensor, groups: torch.Tensor, keep: float) -> float:

@@ -1,4 +1,5 @@
-"""Attention over the block KV store, registered with transformers' `AttentionInterface`.
+"""Attention over the block KV store, registered with transformers' `AttentionInterface` by
+`register_attention()` (a model then selects it with `set_attn_implementation(ATTENTION_NAME)`).
 
 A forward pass carries a `PackedBatch` keyword argument: the store, the segments of the packed
 token axis that belong to each sequence, and their true positions. The store plans the step once
@@ -202,6 +203,9 @@ def _audit(
     observer.on_audit(seg.seq_id, layer, torch.sigmoid(kept - lost).view(kept.numel(), 1), dropped_mass)
 
 
-AttentionInterface.register(ATTENTION_NAME, packed_kv_attention)
-# The SDPA mask serves direct calls; packed calls ignore it and mask per segment.
-ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
+def register_attention() -> None:
+    """Make `ATTENTION_NAME` known to transformers, before a model selects it. Idempotent: the
+    registries map the name, so registering again replaces it with the same functions."""
+    AttentionInterface.register(ATTENTION_NAME, packed_kv_attention)
+    # The SDPA mask serves direct calls; packed calls ignore it and mask per segment.
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)

@@ -28,19 +28,32 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+import psutil
 import torch
 
 from compression.block_pool import BlockPool, Codec
 from compression.paged_attention import DecodeBatch
+from models.loader import KVShape
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 BLOCK_SIZE = 16
 KEYS, VALUES, KEY_ONLY = 0, 1, 2  # the three tables of a (sequence, layer)
 # What a parked cache keeps of its bookkeeping: what adoption reads. Observations and forecasts
 # answered the parking request's questions; an adopter starts them afresh.
 PARKED_META = {"positions": torch.int32, "key_norm": torch.float16}
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory on `device`, what a max_cache_size percentage is a share of: the GPU's on CUDA,
+    the system's otherwise."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return psutil.virtual_memory().total
 
 
 class KVBudgetExceeded(RuntimeError):
@@ -158,6 +171,21 @@ class KVStore:
         self.meta: dict[str, torch.Tensor] = {}
         self._grow_meta(0, 64)
         self.parked_bookkeeping_bytes = 0  # of the parked caches alive
+
+    @classmethod
+    def for_model(cls, model: PreTrainedModel, max_bytes: int, key_only_bits: int, history_steps: int = 0) -> KVStore:
+        """A store shaped for `model`'s KV cache, on its device and computing in its dtype."""
+        shape = KVShape.of(model.config)
+        return cls(
+            num_layers=shape.num_layers,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            max_bytes=max_bytes,
+            dtype=model.dtype,
+            device=next(model.parameters()).device,
+            key_only_bits=key_only_bits,
+            history_steps=history_steps,
+        )
 
     def make_codec(self, storage: torch.dtype | str | None) -> Codec:
         """A codec for `storage`: None or "auto" is the model's dtype; a float dtype name; "int8"; "int4"."""
@@ -640,27 +668,7 @@ class KVStore:
             return
         bs, pool, key_only_pool = self.block_size, self.pools[source.codec.name], self.key_only_pool
         pools = (pool, pool, key_only_pool)  # by table kind
-        layers = list(keep)
-        orders, layouts = [], []  # per layer: kept entries in their new order; per table (shared blocks, count)
-        reads: list[list[np.ndarray]] = [[], [], []]  # per table kind: source rows copied as stored
-        demoted = []  # per layer: source rows of FULL values that become KEY_ONLY (quantised now)
-        for layer in layers:
-            full, key_only = (np.sort(t.cpu().numpy()) for t in keep[layer])
-            n_ko = int(source.key_only[layer])
-            if full.size and full[0] < n_ko:
-                raise ValueError("a KEY_ONLY entry cannot become FULL again")
-            order = np.concatenate((key_only, full))
-            layout = []
-            for kind, entries in ((KEYS, order), (VALUES, full - n_ko), (KEY_ONLY, key_only[key_only < n_ko])):
-                table = source.tables[kind][layer]
-                shared = _in_place_run(entries) // bs
-                reads[kind].append(_entry_rows(table, entries[shared * bs :], bs))
-                layout.append((table[:shared], len(entries) - shared * bs))
-            moved = key_only[key_only >= n_ko] - n_ko
-            demoted.append(_entry_rows(source.tables[VALUES][layer], moved, bs))
-            layout[KEY_ONLY] = (layout[KEY_ONLY][0], layout[KEY_ONLY][1] + len(moved))
-            orders.append((order, len(key_only)))
-            layouts.append(layout)
+        layers, orders, layouts, reads, demoted = _plan_rebuild(source, keep, bs)
         encoded = [pools[kind].read_encoded(self._rows_tensor(reads[kind])) for kind in range(3)]
         if any(rows.size for rows in demoted):
             values = pool.tensors().read(self._rows_tensor(demoted), torch.float32)
@@ -688,18 +696,23 @@ class KVStore:
             if len(codes):
                 pools[kind].write_encoded(self._rows_tensor(targets[kind]), codes, params)
 
-        width = max(len(order) for order, _ in orders)
-        if width:
-            index = np.zeros((len(layers), width), dtype=np.int64)  # past a layer's entries: scratch
-            for i, (order, _) in enumerate(orders):
-                index[i, : len(order)] = order
-            rows, layer_index = _tensor(index, self.device), _tensor(np.array(layers), self.device)
-            for name, t in source.meta.items():
-                held = t[layer_index]  # [layers, ..., entries]
-                gather = rows.view(len(layers), *[1] * (held.dim() - 2), width).expand(*held.shape[:-1], width)
-                self.meta[name][layer_index, slot, ..., :width] = held.gather(-1, gather).to(self.meta[name].dtype)
+        self._copy_meta(slot, source, layers, [order for order, _ in orders])
         self.lengths[layers, slot] = [len(order) for order, _ in orders]
         self.key_only[layers, slot] = [n_ko for _, n_ko in orders]
+
+    def _copy_meta(self, slot: int, source: ParkedKV, layers: list[int], orders: list[np.ndarray]) -> None:
+        """The bookkeeping of `source`'s kept entries (`orders`: per layer, in their new order) into `slot`."""
+        width = max(len(order) for order in orders)
+        if not width:
+            return
+        index = np.zeros((len(layers), width), dtype=np.int64)  # past a layer's entries: scratch
+        for i, order in enumerate(orders):
+            index[i, : len(order)] = order
+        rows, layer_index = _tensor(index, self.device), _tensor(np.array(layers), self.device)
+        for name, t in source.meta.items():
+            held = t[layer_index]  # [layers, ..., entries]
+            gather = rows.view(len(layers), *[1] * (held.dim() - 2), width).expand(*held.shape[:-1], width)
+            self.meta[name][layer_index, slot, ..., :width] = held.gather(-1, gather).to(self.meta[name].dtype)
 
     def _rows_tensor(self, rows: list[np.ndarray]) -> torch.Tensor:
         return _tensor(np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64), self.device)
@@ -709,6 +722,39 @@ class KVStore:
             target = self.key_only_pool if kind == KEY_ONLY else pool
             for blocks in layers:
                 target.unref(blocks.tolist())
+
+
+class _RebuildPlan(NamedTuple):
+    """What `KVStore._rebuild` copies from a parked cache, per layer it rebuilds."""
+
+    layers: list[int]
+    orders: list[tuple[np.ndarray, int]]  # kept entries in their new order (KEY_ONLY first), and the KEY_ONLY count
+    layouts: list[list[tuple[np.ndarray, int]]]  # per table kind: (source blocks shared in place, entries written)
+    reads: list[list[np.ndarray]]  # per table kind, per layer: source rows copied as stored
+    demoted: list[np.ndarray]  # per layer: source rows of FULL values that become KEY_ONLY (quantised now)
+
+
+def _plan_rebuild(source: ParkedKV, keep: dict[int, Keep], bs: int) -> _RebuildPlan:
+    """Per layer of `keep`: which source blocks stay shared, and which rows are read, or demoted."""
+    plan = _RebuildPlan(list(keep), [], [], [[], [], []], [])
+    for layer in plan.layers:
+        full, key_only = (np.sort(t.cpu().numpy()) for t in keep[layer])
+        n_ko = int(source.key_only[layer])
+        if full.size and full[0] < n_ko:
+            raise ValueError("a KEY_ONLY entry cannot become FULL again")
+        order = np.concatenate((key_only, full))
+        layout = []
+        for kind, entries in ((KEYS, order), (VALUES, full - n_ko), (KEY_ONLY, key_only[key_only < n_ko])):
+            table = source.tables[kind][layer]
+            shared = _in_place_run(entries) // bs
+            plan.reads[kind].append(_entry_rows(table, entries[shared * bs :], bs))
+            layout.append((table[:shared], len(entries) - shared * bs))
+        moved = key_only[key_only >= n_ko] - n_ko
+        plan.demoted.append(_entry_rows(source.tables[VALUES][layer], moved, bs))
+        layout[KEY_ONLY] = (layout[KEY_ONLY][0], layout[KEY_ONLY][1] + len(moved))
+        plan.orders.append((order, len(key_only)))
+        plan.layouts.append(layout)
+    return plan
 
 
 def _in_place_run(entries: np.ndarray) -> int:

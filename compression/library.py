@@ -20,17 +20,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import psutil
 import torch
 from transformers import Cache, LogitsProcessorList, PreTrainedModel
 
-from compression.attention import ATTENTION_NAME, PackedBatch, Segment
+from compression.attention import ATTENTION_NAME, PackedBatch, Segment, register_attention
 from compression.config import CompressionConfig, parse_size, resolve
 from compression.engine import CompressionEngine, CompressionMetrics
-from compression.kv_store import KVStore
+from compression.kv_store import KVStore, device_memory
 from compression.predictor.calibration import Calibration, Source
 from compression.predictor.online import FutureValue, load_retention, predictor_path
-from models.loader import KVShape
 
 SEQ_ID = 0
 
@@ -130,6 +128,7 @@ class DynamicKVCompressor(Cache):
         """Route the model's attention through the compressed store while inside the block."""
         self._reset(model)
         previous = model.config._attn_implementation
+        register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
         handle = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         try:
@@ -149,26 +148,14 @@ class DynamicKVCompressor(Cache):
 
     # ----- internals ------------------------------------------------------------------------
     def _reset(self, model: PreTrainedModel) -> None:
-        cfg = model.config
-        device = next(model.parameters()).device
-        total = (
-            torch.cuda.get_device_properties(device).total_memory
-            if device.type == "cuda"
-            else psutil.virtual_memory().total
-        )
-        shape = KVShape.of(cfg)
-        self.store = KVStore(
-            num_layers=shape.num_layers,
-            num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
-            max_bytes=parse_size(self.max_cache_size, total),
-            dtype=model.dtype,
-            device=device,
-            key_only_bits=self.config.key_only_value_bits,
-            history_steps=self.future_value.history_steps if self.future_value else 0,
+        self.store = KVStore.for_model(
+            model,
+            parse_size(self.max_cache_size, device_memory(next(model.parameters()).device)),
+            self.config.key_only_value_bits,
+            self.future_value.history_steps if self.future_value else 0,
         )
         if self.calibrations is None:
-            self.calibrations = load_retention(predictor_path(None), cfg)
+            self.calibrations = load_retention(predictor_path(None), model.config)
         self.engine = CompressionEngine(self.store, future_value=self.future_value, calibrations=self.calibrations)
         self.sequence = _Sequence()
         self.store.set_storage(SEQ_ID, self.params.kv_cache_dtype)

@@ -112,69 +112,117 @@ def samples(
     `every` is the serving engine's score_interval and `decay` the dynamic policy's; a sample is
     taken at every `stride`-th observation, for `per_step` random entries of the layer.
     """
-    steps, window = config.observation_steps, config.prediction_window
-    num_layers, prompt_len = len(rec.masses), rec.prompt_len
     parts: dict[str, list[torch.Tensor]] = {name: [] for name in SAMPLE_TENSORS}
-    group = 0
-    for layer, decode in enumerate(rec.masses):
-        prefill = rec.prefill[layer]
-        if prefill is None or len(decode) <= window:
-            continue
-        rows = [prefill.shape[0] - 1 - every * (steps - 1 - r) for r in range(steps)]
-        if rows[0] < 0:
-            raise ValueError("observation_window must cover observation_steps x score_interval prompt queries")
-        total = prompt_len + len(decode)
-        observed = list(range(0, len(decode), every))  # decode steps the serving engine observes
-        masses = torch.zeros(steps + len(observed), total)
-        masses[:steps, : prefill.shape[1]] = prefill[rows]
-        dense = torch.zeros(len(decode), total)
-        for j, mass in enumerate(decode):
-            dense[j, : len(mass)] = mass
-        masses[steps:] = dense[observed]
-        queries = torch.tensor([prompt_len - 1 - every * (steps - 1 - r) for r in range(steps)])
-        queries = torch.cat((queries, prompt_len + torch.tensor(observed)))
-        cumulative = torch.cat((torch.zeros(1, total), dense.cumsum(0)))  # window sums by difference
-        decayed = torch.zeros(total)
-        decayed[: prefill.shape[1]] = prefill.sum(0)
-        accumulated = decayed.clone()
-        key_norm = torch.zeros(total)
-        key_norm[: len(rec.key_norms[layer])] = rec.key_norms[layer][:total]
-        confidence = torch.ones(total)
-        generated = torch.tensor(rec.confidences[: total - prompt_len])
-        confidence[prompt_len : prompt_len + len(generated)] = generated
-        for i in range(steps - 1, len(masses)):
-            if i >= steps:
-                decayed = decay * decayed + masses[i]
-                accumulated = accumulated + masses[i]
-            first = 0 if i < steps else observed[i - steps] + 1  # the first decode step after this query
-            if first + window > len(decode):
-                break
-            if (i - steps + 1) % stride:
-                continue
-            present = int(queries[i]) + 1  # the query sees entries up to its own position
-            chosen = torch.tensor(sorted(rng.sample(range(present), min(per_step, present))))
-            span = slice(i - steps + 1, i + 1)
-            features = window_features(
-                masses[span][:, chosen],
-                decayed[chosen],
-                chosen,
-                queries[span],
-                confidence[chosen],
-                key_norm[chosen],
-                layer,
-                num_layers,
-            )
-            parts["windows"].append(features)
-            parts["targets"].append(target(cumulative[first + window, chosen] - cumulative[first, chosen]))
-            parts["accumulated"].append(accumulated[chosen])
-            parts["groups"].append(torch.full((len(chosen),), group))
-            parts["at_prefill"].append(torch.full((len(chosen),), i < steps))
-            parts["held"].append(torch.full((len(chosen),), present))
-            parts["decayed_total"].append(torch.full((len(chosen),), float(decayed[:present].sum())))
-            group += 1
+    for layer in range(len(rec.masses)):
+        timeline = _timeline(rec, layer, config, every)
+        if timeline is not None:
+            _sample_layer(timeline, config, decay, stride, per_step, rng, parts)
     if not parts["windows"]:
+        window = config.prediction_window
         raise ValueError(f"no samples: a recording needs more than prediction_window ({window}) decode steps")
     return {name: torch.cat(tensors).contiguous() for name, tensors in parts.items()}
+
+
+@dataclass
+class _Timeline:
+    """One layer of a recording as the serving engine observes it, over all `total` entries."""
+
+    layer: int
+    num_layers: int
+    masses: torch.Tensor  # [observations, total]: the last prompt queries', then each observed decode step's
+    queries: torch.Tensor  # [observations] those queries' positions
+    observed: list[int]  # the decode steps observed
+    cumulative: torch.Tensor  # [decode steps + 1, total] decode attention summed: window sums by difference
+    prefill_sum: torch.Tensor  # [total] every prompt query's attention summed: where accumulated scores start
+    key_norm: torch.Tensor  # [total]
+    confidence: torch.Tensor  # [total] top-token probability of each entry's token (1 for the prompt)
+
+    @property
+    def num_decode(self) -> int:
+        return len(self.cumulative) - 1
+
+
+def _timeline(rec: Recording, layer: int, config: PredictorConfig, every: int) -> _Timeline | None:
+    """The layer's observations every `every` steps; None if it has no complete prediction window."""
+    steps = config.observation_steps
+    prefill, decode, prompt_len = rec.prefill[layer], rec.masses[layer], rec.prompt_len
+    if prefill is None or len(decode) <= config.prediction_window:
+        return None
+    rows = [prefill.shape[0] - 1 - every * (steps - 1 - r) for r in range(steps)]
+    if rows[0] < 0:
+        raise ValueError("observation_window must cover observation_steps x score_interval prompt queries")
+    total = prompt_len + len(decode)
+    observed = list(range(0, len(decode), every))  # decode steps the serving engine observes
+    dense = torch.zeros(len(decode), total)
+    for j, mass in enumerate(decode):
+        dense[j, : len(mass)] = mass
+    masses = torch.zeros(steps + len(observed), total)
+    masses[:steps, : prefill.shape[1]] = prefill[rows]
+    masses[steps:] = dense[observed]
+    queries = torch.tensor([prompt_len - 1 - every * (steps - 1 - r) for r in range(steps)])
+    prefill_sum = torch.zeros(total)
+    prefill_sum[: prefill.shape[1]] = prefill.sum(0)
+    key_norm = torch.zeros(total)
+    key_norm[: len(rec.key_norms[layer])] = rec.key_norms[layer][:total]
+    confidence = torch.ones(total)
+    generated = torch.tensor(rec.confidences[: total - prompt_len])
+    confidence[prompt_len : prompt_len + len(generated)] = generated
+    return _Timeline(
+        layer=layer,
+        num_layers=len(rec.masses),
+        masses=masses,
+        queries=torch.cat((queries, prompt_len + torch.tensor(observed))),
+        observed=observed,
+        cumulative=torch.cat((torch.zeros(1, total), dense.cumsum(0))),
+        prefill_sum=prefill_sum,
+        key_norm=key_norm,
+        confidence=confidence,
+    )
+
+
+def _sample_layer(
+    timeline: _Timeline,
+    config: PredictorConfig,
+    decay: float,
+    stride: int,
+    per_step: int,
+    rng: random.Random,
+    parts: dict[str, list[torch.Tensor]],
+) -> None:
+    """Append to `parts` one group of samples per `stride`-th observation whose window is complete."""
+    steps, window, tl = config.observation_steps, config.prediction_window, timeline
+    decayed = accumulated = tl.prefill_sum
+    for i in range(steps - 1, len(tl.masses)):
+        if i >= steps:
+            decayed = decay * decayed + tl.masses[i]
+            accumulated = accumulated + tl.masses[i]
+        first = 0 if i < steps else tl.observed[i - steps] + 1  # the first decode step after this query
+        if first + window > tl.num_decode:
+            break
+        if (i - steps + 1) % stride:
+            continue
+        present = int(tl.queries[i]) + 1  # the query sees entries up to its own position
+        chosen = torch.tensor(sorted(rng.sample(range(present), min(per_step, present))))
+        span = slice(i - steps + 1, i + 1)
+        parts["windows"].append(
+            window_features(
+                tl.masses[span][:, chosen],
+                decayed[chosen],
+                chosen,
+                tl.queries[span],
+                tl.confidence[chosen],
+                tl.key_norm[chosen],
+                tl.layer,
+                tl.num_layers,
+            )
+        )
+        parts["targets"].append(target(tl.cumulative[first + window, chosen] - tl.cumulative[first, chosen]))
+        parts["accumulated"].append(accumulated[chosen])
+        n = len(chosen)
+        parts["groups"].append(torch.full((n,), len(parts["groups"])))  # one group per (layer, observation)
+        parts["at_prefill"].append(torch.full((n,), i < steps))
+        parts["held"].append(torch.full((n,), present))
+        parts["decayed_total"].append(torch.full((n,), float(decayed[:present].sum())))
 
 
 def main() -> None:
