@@ -7,7 +7,7 @@ prefilled their decode steps take turns one step at a time, so that drift on thi
 hits every setup alike. With `--baseline REV` the same setups also run on the code of git revision
 REV (a temporary worktree, in its own process, before this tree's).
 
-    python benchmarks/decode_step.py                       # 16 x 2000 tokens: off, 0.6 (thresholds on, off), 0.75, 0.875
+    python benchmarks/decode_step.py                    # 16 x 2000 tokens: off, 0.6 (thresholds on/off), 0.75, 0.875
     python benchmarks/decode_step.py --baseline HEAD~3     # and the same on an older revision
     python benchmarks/decode_step.py --profile-seqs 32     # also: the Python share of a decode step
     python benchmarks/decode_step.py --setups --profile-seqs 32 --out benchmarks/results/decode_step_profile
