@@ -115,7 +115,7 @@ bench-quality-thresholds: model
 
 bench-quality-confidence: model
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) benchmarks/quality.py --policies --doubt-weights 0.5 0 -0.5 --rates 0.9 --answer-tokens 192 \
+	$(PY) benchmarks/quality.py --policies --doubt-weights 0.5 0 -0.5 --rates 0.9 --answer-tokens 192 --no-uniform \
 		--out benchmarks/results/quality_confidence_long
 
 bench-quality-prefix: model bench-peers

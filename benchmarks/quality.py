@@ -123,12 +123,11 @@ def setups(
     doubt_weights: list[float] | None = None,
     thresholds: list[tuple[float, float]] | None = None,
     fixed_rates: list[float] | None = None,
+    uniform: bool = True,
 ) -> list[Setup]:
-    plan = [
-        Setup("uncompressed", "auto", "none", 0.0),
-        Setup("uniform int8", "int8", "none", 0.0),
-        Setup("uniform int4", "int4", "none", 0.0),
-    ]
+    plan = [Setup("uncompressed", "auto", "none", 0.0)]  # first: the others are scored against it
+    if uniform:
+        plan += [Setup("uniform int8", "int8", "none", 0.0), Setup("uniform int4", "int4", "none", 0.0)]
     for rate in rates:
         # Our baselines evict at the model's dtype, as published; dynamic runs as shipped (int8 storage).
         plan += [
@@ -387,6 +386,7 @@ def main() -> None:
         default=None,
         help=f"also '{RATE_ONLY}' at these rates: the thresholds' comparison at equal mean bytes",
     )
+    parser.add_argument("--no-uniform", action="store_true", help="leave out the uniform int8 and int4 rows")
     parser.add_argument("--peers", action="store_true", help="also run kvpress's presses (make bench-peers)")
     parser.add_argument("--presses", nargs="+", default=None, help="kvpress presses (default: all)")
     parser.add_argument("--ours-from", type=Path, default=None, help="our rows from a saved quality.json")
@@ -419,7 +419,9 @@ def main() -> None:
 
 def run_ours(args, model, tokenizer, tasks: Tasks, future_value: FutureValue | None) -> list[Row]:
     rows: list[Row] = []
-    plan = setups(args.rates, tuple(args.policies), args.doubt_weights, args.thresholds, args.fixed_rates)
+    plan = setups(
+        args.rates, tuple(args.policies), args.doubt_weights, args.thresholds, args.fixed_rates, not args.no_uniform
+    )
     for setup in tqdm(plan, desc="our setups", unit="setup"):
         texts, tokens, metrics, seconds = run_setup(model, tokenizer, setup, tasks, future_value)
         row = Row(setup, seconds=seconds)
