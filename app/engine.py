@@ -16,7 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from app.detokenizer import IncrementalDetokenizer
 from app.model_runner import ModelRunner
 from app.sampler import SampleOutput, TokenLogprob, sample
-from app.scheduler import Scheduler
+from app.scheduler import Scheduler, SchedulerOutput
 from app.sequence import FinishReason, SamplingParams, Sequence
 from compression.config import CompressionConfig, CompressionParams, resolve
 from compression.engine import CompressionEngine, CompressionMetrics
@@ -64,6 +64,15 @@ class StepStats:
     compression_s: float = 0.0
     queue_s: list[float] = field(default_factory=list)  # waits of the sequences admitted in this step
     num_out_of_memory: int = 0  # requests failed for want of KV memory (too big, or an OOM in the forward)
+
+
+@dataclass
+class _StepOutputs:
+    """What a step gathers as it goes."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)  # for the clients
+    finished: list[Sequence] = field(default_factory=list)
+    out_of_memory: int = 0  # requests failed for want of KV memory
 
 
 class LLMEngine:
@@ -167,64 +176,76 @@ class LLMEngine:
 
     # ----- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once over every scheduled chunk, then postprocess: sample,
+        detokenise, stop and compress. Returns the outputs for the clients."""
         started = time.perf_counter()
-        outputs: list[RequestOutput] = []
-        finished: list[Sequence] = []
-        now = time.monotonic()
-        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-            if seq.params.deadline is not None and now > seq.params.deadline:
-                self._finish(seq, FinishReason.TIMEOUT, outputs, finished)
-        sched = self.scheduler.schedule()
-        for seq in sched.preempted:
-            self.compression.preempted(seq.seq_id)
-        out_of_memory = len(sched.rejected)
-        for seq in sched.rejected:
-            need = self.store.bytes_for(seq.num_uncomputed, self.store.codec_of(seq.seq_id))
-            self._finish(
-                seq,
-                FinishReason.ERROR,
-                outputs,
-                finished,
-                error=f"the request needs {need} bytes of KV cache but max_cache_size is "
-                f"{self.store.max_bytes}; shorten the prompt or raise max_cache_size",
-            )
+        out = _StepOutputs()
+        sched = self._schedule(out)
+        compression_s = 0.0
         if sched.chunks:
-            self.compression.prepare(sched.chunks)
-            try:
-                logits = self.runner.run(sched.chunks, observer=self.compression)
-            except Exception as exc:  # a failed forward fails only the sequences in it
-                log.exception("forward pass failed for %d sequences", len(sched.sequences))
-                if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-                    out_of_memory += len(sched.sequences)
-                for seq in sched.sequences:
-                    self._finish(seq, FinishReason.ERROR, outputs, finished, error=f"model forward failed: {exc}")
-                sched.sequences, sched.chunks = [], []
-                logits = None
-            sampled = [seq for seq, chunk in zip(sched.sequences, sched.chunks, strict=True) if chunk.needs_logits]
-            for seq, chunk in zip(sched.sequences, sched.chunks, strict=True):
-                seq.num_computed += len(chunk.token_ids)
-            self._park_prompts(sched.sequences)
-            confidence: dict[int, float] = {}
-            if sampled:
-                results = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
-                for seq, result in zip(sampled, results, strict=True):
-                    confidence[seq.seq_id] = result.top_prob
-                    self._append_token(seq, result, outputs, finished)
-            running = [seq for seq in sched.sequences if not seq.is_finished]
-            compression_s = self.compression.after_step(running, confidence)
-        else:
-            compression_s = 0.0
+            logits = self._run(sched, out)
+            compression_s = self._postprocess(sched, logits, out)
         self.last_step = StepStats(
             time.perf_counter() - started,
             len(sched.chunks),
             sched.num_tokens,
             len(sched.preempted),
-            finished,
+            out.finished,
             compression_s,
             [seq.first_scheduled_time - seq.arrival_time for seq in sched.admitted],
-            out_of_memory,
+            out.out_of_memory,
         )
-        return outputs
+        return out.outputs
+
+    def _schedule(self, out: _StepOutputs) -> SchedulerOutput:
+        """Time out requests past their deadline, schedule, and fail those that can never fit."""
+        now = time.monotonic()
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if seq.params.deadline is not None and now > seq.params.deadline:
+                self._finish(seq, FinishReason.TIMEOUT, out)
+        sched = self.scheduler.schedule()
+        for seq in sched.preempted:
+            self.compression.preempted(seq.seq_id)
+        out.out_of_memory += len(sched.rejected)
+        for seq in sched.rejected:
+            need = self.store.bytes_for(seq.num_uncomputed, self.store.codec_of(seq.seq_id))
+            error = (
+                f"the request needs {need} bytes of KV cache but max_cache_size is {self.store.max_bytes}; "
+                "shorten the prompt or raise max_cache_size"
+            )
+            self._finish(seq, FinishReason.ERROR, out, error=error)
+        return sched
+
+    def _run(self, sched: SchedulerOutput, out: _StepOutputs) -> torch.Tensor | None:
+        """One forward pass; logits of the chunks that need them. A failed forward fails only the
+        sequences in it (and leaves nothing scheduled)."""
+        self.compression.prepare(sched.chunks)
+        try:
+            return self.runner.run(sched.chunks, observer=self.compression)
+        except Exception as exc:
+            log.exception("forward pass failed for %d sequences", len(sched.sequences))
+            if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+                out.out_of_memory += len(sched.sequences)
+            for seq in sched.sequences:
+                self._finish(seq, FinishReason.ERROR, out, error=f"model forward failed: {exc}")
+            sched.sequences, sched.chunks = [], []
+            return None
+
+    def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor | None, out: _StepOutputs) -> float:
+        """Advance the scheduled sequences, sample the next token of those that need one, then
+        compress the sequences still running; return the seconds compression took."""
+        sampled = [seq for seq, chunk in zip(sched.sequences, sched.chunks, strict=True) if chunk.needs_logits]
+        for seq, chunk in zip(sched.sequences, sched.chunks, strict=True):
+            seq.num_computed += len(chunk.token_ids)
+        self._park_prompts(sched.sequences)
+        confidence: dict[int, float] = {}
+        if sampled:
+            results = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
+            for seq, result in zip(sampled, results, strict=True):
+                confidence[seq.seq_id] = result.top_prob
+                self._append_token(seq, result, out)
+        running = [seq for seq in sched.sequences if not seq.is_finished]
+        return self.compression.after_step(running, confidence)
 
     # ----- internals ---------------------------------------------------------------------
     def _park_prompts(self, sequences: list[Sequence]) -> None:
@@ -236,11 +257,9 @@ class LLMEngine:
             if seq.num_computed == seq.num_prompt_tokens and self.compression.compresses(seq.seq_id):
                 self.prefix_cache.park_prompt(seq.seq_id, seq.prompt_token_ids, seq.prefix_fingerprint)
 
-    def _append_token(
-        self, seq: Sequence, result: SampleOutput, outputs: list[RequestOutput], finished: list[Sequence]
-    ) -> None:
+    def _append_token(self, seq: Sequence, result: SampleOutput, out: _StepOutputs) -> None:
         if result.token_id is None:
-            self._finish(seq, FinishReason.ERROR, outputs, finished, error=result.error)
+            self._finish(seq, FinishReason.ERROR, out, error=result.error)
             return
         token = result.token_id
         seq.token_ids.append(token)
@@ -252,7 +271,7 @@ class LLMEngine:
                 if self._detok[seq.seq_id].add(token):
                     reason = FinishReason.STOP
             except Exception as exc:
-                self._finish(seq, FinishReason.ERROR, outputs, finished, error=f"detokenization failed: {exc}")
+                self._finish(seq, FinishReason.ERROR, out, error=f"detokenization failed: {exc}")
                 return
             if reason is None and (
                 len(seq.output_token_ids) >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len
@@ -260,16 +279,15 @@ class LLMEngine:
                 reason = FinishReason.LENGTH
         logprobs = [result.logprob] if result.logprob is not None else []
         if reason is None:
-            outputs.append(self._output(seq, [token], final=False, logprobs=logprobs))
+            out.outputs.append(self._output(seq, [token], final=False, logprobs=logprobs))
         else:
-            self._finish(seq, reason, outputs, finished, new_tokens=[token], logprobs=logprobs)
+            self._finish(seq, reason, out, new_tokens=[token], logprobs=logprobs)
 
     def _finish(
         self,
         seq: Sequence,
         reason: FinishReason,
-        outputs: list[RequestOutput],
-        finished: list[Sequence],
+        out: _StepOutputs,
         error: str | None = None,
         new_tokens: list[int] | None = None,
         logprobs: list[TokenLogprob] | None = None,
@@ -278,8 +296,8 @@ class LLMEngine:
         if self.prefix_cache is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.prefix_cache.insert(seq.seq_id, seq.token_ids[: seq.num_computed], seq.prefix_fingerprint)
         self.scheduler.finish(seq, reason, error)
-        outputs.append(self._output(seq, new_tokens or [], final=True, metrics=metrics, logprobs=logprobs))
-        finished.append(seq)
+        out.outputs.append(self._output(seq, new_tokens or [], final=True, metrics=metrics, logprobs=logprobs))
+        out.finished.append(seq)
 
     def _output(
         self,

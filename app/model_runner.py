@@ -10,25 +10,12 @@ before it were evicted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers import PreTrainedModel
 
+from app.sequence import ScheduledChunk
 from compression.attention import ATTENTION_NAME, AttentionObserver, PackedBatch, Segment, register_attention
 from compression.kv_store import KVStore
-
-
-@dataclass
-class ScheduledChunk:
-    """`num_tokens` tokens of a sequence, starting at position `start`, to run this step."""
-
-    seq_id: int
-    token_ids: list[int]
-    start: int
-    needs_logits: bool
-    observe: int = 0  # see Segment
-    audit: bool = False
 
 
 class ModelRunner:

@@ -17,8 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from app.model_runner import ScheduledChunk
-from app.sequence import FinishReason, Sequence, SequenceStatus
+from app.sequence import FinishReason, ScheduledChunk, Sequence, SequenceStatus
 from compression.kv_store import KVBudgetExceeded, KVStore
 from compression.prefix_cache import PrefixCache, PrefixHit
 

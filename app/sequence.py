@@ -88,3 +88,15 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+@dataclass
+class ScheduledChunk:
+    """The tokens of a sequence, from position `start`, that run in this step."""
+
+    seq_id: int
+    token_ids: list[int]
+    start: int
+    needs_logits: bool  # the chunk reaches the sequence's last known token: sample from it
+    observe: int = 0  # last queries whose attention the compression engine observes (compression.attention.Segment)
+    audit: bool = False  # measure the attention its sequence's dropped keys would get

@@ -56,6 +56,16 @@ class TrackedSequence(Protocol):
     token_ids: list[int]  # prompt and generated tokens
 
 
+class MarkedChunk(Protocol):
+    """What the compression engine reads and marks of a chunk scheduled for the forward pass."""
+
+    seq_id: int
+    token_ids: list[int]  # the chunk's tokens (one for a decode step)
+    needs_logits: bool  # the chunk ends its sequence's known tokens (the end of prefill, or a decode step)
+    observe: int  # set here: how many of its last queries' attention to observe
+    audit: bool  # set here: measure the attention its dropped keys would get
+
+
 @dataclass
 class CompressionMetrics:
     """Per-request figures: a response's `compression_metrics` (the README defines each field)."""
@@ -219,8 +229,8 @@ class CompressionEngine:
         )
 
     # ----- around the forward pass ---------------------------------------------------------
-    def prepare(self, chunks: list) -> None:
-        """Mark chunks (`ScheduledChunk`s) whose attention must be observed or audited in this step."""
+    def prepare(self, chunks: list[MarkedChunk]) -> None:
+        """Mark the chunks whose attention must be observed or audited in this step."""
         if self.stream is not None:  # the forward pass reads what compression wrote
             torch.cuda.current_stream(self.store.device).wait_stream(self.stream)
         for chunk in chunks:
