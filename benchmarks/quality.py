@@ -503,7 +503,10 @@ TASKS = {  # name: (title, column header, how a row gives its score, higher is b
 def report(rows: list[Row], args, tasks: Tasks) -> None:
     lengths = sorted({c.context_tokens for c in tasks.needles})
     rates = sorted({r.setup.rate for r in rows if r.setup.rate})
-    summary_tokens = f"{args.answer_tokens}-token (EOS ignored)" if args.answer_tokens else "48-token"
+    first = tasks.summaries[0].name if tasks.summaries else None
+    summary_tokens = f"{tasks.max_tokens.get(first, 48)}-token" + (
+        " (EOS ignored)" if first in tasks.ignore_eos else ""
+    )
     lines = [
         f"{len(tasks.needles)} needle cases ({', '.join(map(str, lengths))} tokens of text, fact at depths "
         f"0.1-0.9), {len(tasks.summaries)} greedy {summary_tokens} summaries of ~800-token passages, perplexity of "
