@@ -166,6 +166,14 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def kv_bytes_for(self, num_tokens: int, kv_cache_dtype: str) -> int:
+        """Bytes of KV cache `num_tokens` take at that storage, as the budget counts them (whole blocks)."""
+        return self.store.bytes_for(num_tokens, self.store.make_codec(kv_cache_dtype))
+
+    @property
+    def max_cache_bytes(self) -> int:
+        return self.store.max_bytes
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)

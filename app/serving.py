@@ -122,17 +122,16 @@ class GenerateService:
             self._refuse(422)
             raise APIError(422, "invalid_request", str(error), param=error.fields[0]) from None
         # Without compression the whole request must fit the budget; with it, the prompt must.
-        store = self.engine.engine.store
         need = len(ids) if compression.active else len(ids) + max_tokens
-        storage = store.make_codec(compression.kv_cache_dtype)
-        if store.bytes_for(need, storage) > store.max_bytes:
+        budget = self.engine.engine.max_cache_bytes
+        if self.engine.engine.kv_bytes_for(need, compression.kv_cache_dtype) > budget:
             self._refuse(413)
             self.metrics.oom_errors.inc()
             raise APIError(
                 413,
                 "kv_cache_exceeded",
                 f"{need} tokens of this request need more KV cache than max_cache_size "
-                f"({store.max_bytes} bytes) allows; shorten the prompt, lower max_tokens or raise --max-cache-size",
+                f"({budget} bytes) allows; shorten the prompt, lower max_tokens or raise --max-cache-size",
             )
         params = SamplingParams(
             max_tokens=max_tokens,
