@@ -208,14 +208,13 @@ class CompressionEngine:
                 full += kv.num_full
                 key_only += kv.num_key_only
         held_tokens = full + key_only
+        ratio = compressed / original if original else 1.0
         return CompressionMetrics(
             original_size=original,
             compressed_size=compressed,
             ceiling_size=int((1.0 - rate) * original),
-            compression_ratio=compressed / original if original else 1.0,
-            mean_compression_ratio=state.ratio_sum / state.ratio_steps
-            if state.ratio_steps
-            else (compressed / original if original else 1.0),
+            compression_ratio=ratio,
+            mean_compression_ratio=state.ratio_sum / state.ratio_steps if state.ratio_steps else ratio,
             hit_rate=cached_tokens / state.prompt_len if state.prompt_len else 0.0,
             prefix_parked=prefix_parked if cached_tokens else None,
             recall_rate=state.recall_sum / state.recall_count if state.recall_count else 1.0,

@@ -15,7 +15,7 @@ the budget or its own confidence needs, and the lowest-ranked go first. Protecte
 
 The compression engine asks the thresholds only what they would keep (`threshold_bytes`, the bytes
 of a plan under an unlimited budget); those bytes over all layers, shared equally among the layers,
-become the budget of plans without them (`CompressionEngine._content_budget`).
+become the budget of plans without them (`CompressionEngine._judge`).
 """
 
 from __future__ import annotations
