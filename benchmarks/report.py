@@ -1,30 +1,145 @@
-"""How every benchmark saves its figures: the table printed, OUT.md and OUT.json beside each other."""
+"""How every benchmark saves its figures, and how the README shows them.
+
+A benchmark prints its table and writes OUT.md and OUT.json side by side; the JSON carries its
+provenance: the commit, the command, the date and a digest of the code it measures. The README's
+figures are generated from those files (`python -m benchmarks.report`, `make readme`) between
+markers `<!-- results NAME -->` and `<!-- /results -->`, and a result whose measured code has
+changed since is marked stale there, so a table can neither drift from its file nor outlive its
+code without saying so (a test holds the README to what this module generates).
+"""
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import hashlib
 import json
+import re
+import shlex
 import subprocess
+import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+README = ROOT / "README.md"
+# What the figures of a benchmark depend on: the server's code, its models and its configuration
+# (the benchmark scripts are the instrument, not what is measured).
+SERVER_CODE = ("app", "compression", "models", "config")
+_BLOCK = re.compile(r"(<!-- results (?P<name>[\w-]+) -->\n).*?(<!-- /results -->)", re.S)
 
 
-def save_report(out: Path, title: str, table: str, data: dict, args: argparse.Namespace | None = None) -> None:
-    """Print `table`; write it as OUT.md under `title`, and `data` (with the run's arguments) as OUT.json."""
+@dataclass(frozen=True)
+class Provenance:
+    """Which code a result measured and how it was made."""
+
+    commit: str
+    date: str
+    command: str
+    measures: tuple[str, ...]
+    code_digest: str
+    uncommitted: bool = False  # the measured paths differed from the commit when it ran
+    historical: str = ""  # why a result of past code is kept (it is then never stale)
+
+    @classmethod
+    def capture(cls, measures: tuple[str, ...] = SERVER_CODE) -> Provenance:
+        """The code as it stands now: call it when the benchmark starts, before anything can change."""
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", *measures], cwd=ROOT).returncode != 0
+        return cls(
+            commit=commit_of(),
+            date=datetime.date.today().isoformat(),
+            command=_command(sys.argv),
+            measures=tuple(measures),
+            code_digest=code_digest(measures),
+            uncommitted=dirty,
+        )
+
+    @classmethod
+    def of(cls, data: dict) -> Provenance:
+        raw = data.get("provenance")
+        if raw is None:
+            raise ValueError("no provenance: re-run the benchmark, which records it")
+        return cls(**{**raw, "measures": tuple(raw["measures"])})
+
+    def is_stale(self) -> bool:
+        return not self.historical and code_digest(self.measures) != self.code_digest
+
+
+def save_report(
+    out: Path,
+    title: str,
+    table: str,
+    data: dict,
+    args: argparse.Namespace | None = None,
+    provenance: Provenance | None = None,
+) -> None:
+    """Print `table`; write it as OUT.md under `title`, and `data` (with the run's arguments and
+    provenance, captured now unless given) as OUT.json."""
     print(table)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(f"# {title}\n\n{table}\n")
     # Arguments as text, files by name only (a full path would name this machine's folders).
     settings = {"args": {k: _text(v) for k, v in vars(args).items() if k != "out"}} if args is not None else {}
-    out.with_suffix(".json").write_text(json.dumps({**settings, **data}, indent=2))
+    record = {"provenance": asdict(provenance or Provenance.capture()), **settings, **data}
+    out.with_suffix(".json").write_text(json.dumps(record, indent=2))
 
 
 def commit_of(rev: str = "HEAD") -> str:
     """The short hash of a git revision of this repository (what a result names as measured)."""
-    return subprocess.run(
-        ["git", "rev-parse", "--short", rev], cwd=ROOT, check=True, capture_output=True, text=True
-    ).stdout.strip()
+    return _git("rev-parse", "--short", rev).strip()
+
+
+def code_digest(paths: tuple[str, ...], rev: str | None = None, root: Path = ROOT) -> str:
+    """A digest of the files git tracks under `paths`: in the working tree, or at git revision `rev`."""
+    if rev is None:
+        files = sorted(_git("ls-files", "-z", "--", *paths, cwd=root).split("\0")[:-1])
+        blobs = _git("hash-object", "--stdin-paths", input="\n".join(files), cwd=root).split() if files else []
+    else:
+        listing = _git("ls-tree", "-r", rev, "--", *paths, cwd=root)
+        entries = sorted(line.split("\t", 1)[::-1] for line in listing.splitlines())
+        files, blobs = [path for path, _ in entries], [meta.split()[2] for _, meta in entries]
+    digest = hashlib.sha256()
+    for path, blob in zip(files, blobs, strict=True):
+        digest.update(f"{path}\0{blob}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def readme_block(name: str, results: Path = RESULTS) -> str:
+    """What the README shows for results NAME: its provenance, staleness and table."""
+    prov = Provenance.of(json.loads((results / f"{name}.json").read_text()))
+    body = (results / f"{name}.md").read_text().split("\n", 1)[1].strip()  # without its title
+    state = " (with uncommitted changes)" if prov.uncommitted else ""
+    source = f"[`{name}.json`](benchmarks/results/{name}.json)"
+    lines = [f"*{source}: measured at {prov.commit}{state} on {prov.date} by `{prov.command}`.*"]
+    if prov.historical:
+        lines.append(f"*Historical: {prov.historical}*")
+    elif prov.is_stale():
+        lines.append(
+            f"> **Stale:** the code it measures ({', '.join(prov.measures)}) has changed since {prov.commit}; "
+            "re-run the command above, then `make readme`."
+        )
+    return "\n\n".join([*lines, body]) + "\n"
+
+
+def render_readme(text: str, results: Path = RESULTS) -> str:
+    """`text` with every results block regenerated from its files."""
+    return _BLOCK.sub(lambda m: m.group(1) + readme_block(m.group("name"), results) + m.group(3), text)
+
+
+def _command(argv: list[str]) -> str:
+    """The command line as run, paths inside the repository relative to it and others by name."""
+    words = []
+    for word in argv:
+        path = Path(word)
+        if path.is_absolute():
+            word = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
+        words.append(word)
+    return shlex.join(["python", *words])
+
+
+def _git(*args: str, input: str | None = None, cwd: Path = ROOT) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True, input=input).stdout
 
 
 def _text(value: object) -> str:
@@ -33,3 +148,21 @@ def _text(value: object) -> str:
     if isinstance(value, list) and value and all(isinstance(v, Path) for v in value):
         return str([v.name for v in value])
     return str(value)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Regenerate the README's figures from benchmarks/results.")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the README differs, write nothing")
+    args = parser.parse_args()
+    text = README.read_text()
+    rendered = render_readme(text)
+    if args.check:
+        sys.exit(0 if rendered == text else "README figures differ from benchmarks/results: run `make readme`")
+    README.write_text(rendered)
+    for name in _BLOCK.findall(text):
+        prov = Provenance.of(json.loads((RESULTS / f"{name[1]}.json").read_text()))
+        print(f"{name[1]}: {'stale' if prov.is_stale() else 'current'}")
+
+
+if __name__ == "__main__":
+    main()
