@@ -125,7 +125,7 @@ def _lifespan(settings: Settings) -> Callable[[FastAPI], AbstractAsyncContextMan
         metrics = Metrics()
         engine = build_engine(settings)
         metrics.bind_engine(engine)
-        metrics.set_slo(settings.slo_ttft_seconds, settings.slo_tpot_seconds)
+        metrics.set_slo(settings.slo_ttft_seconds, settings.slo_tpot_seconds, settings.slo_min_requests)
         runner = AsyncEngine(engine, on_step=metrics.observe_step)
         metrics.bind_loop(runner)
         runner.start()

@@ -133,6 +133,11 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.slo_min_requests = Gauge(
+            "slo_min_requests",
+            "requests in 5 minutes below which the latency SLO alerts stay quiet (setting slo_min_requests)",
+            registry=r,
+        )
 
     def bind_engine(self, engine: LLMEngine) -> None:
         """Gauges read the engine's own accounting when scraped, so they are never stale."""
@@ -151,9 +156,10 @@ class Metrics:
     def bind_loop(self, runner: AsyncEngine) -> None:
         self.heartbeat.set_function(lambda: runner.heartbeat)
 
-    def set_slo(self, ttft_seconds: float, tpot_seconds: float) -> None:
+    def set_slo(self, ttft_seconds: float, tpot_seconds: float, min_requests: int) -> None:
         self.slo_target.labels("ttft").set(ttft_seconds)
         self.slo_target.labels("tpot").set(tpot_seconds)
+        self.slo_min_requests.set(min_requests)
 
     def observe_step(self, stats: StepStats, engine: LLMEngine) -> None:
         self.step_time.observe(stats.duration_s)

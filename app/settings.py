@@ -74,6 +74,9 @@ class Settings(BaseSettings):
     slo_tpot_seconds: float = Field(
         0.5, gt=0.0, description="p99 time per output token the alerts hold the server to (exported as a gauge)"
     )
+    slo_min_requests: int = Field(
+        20, ge=0, description="requests in 5 minutes below which the SLO alerts stay quiet (exported as a gauge)"
+    )
     shutdown_grace_period: float = Field(
         30.0, ge=0.0, description="on SIGTERM, seconds running requests may take to finish (new ones get 503)"
     )

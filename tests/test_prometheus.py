@@ -20,7 +20,7 @@ import yaml
 from tests.helpers import ROOT, LiveServer, free_port
 
 PROMETHEUS_DIR = ROOT / "prometheus"
-RULE_COUNT = 17  # alerts and recording rules
+RULE_COUNT = 19  # alerts and recording rules
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
@@ -306,13 +306,15 @@ def test_overload_pages_with_runbooks_a_full_prefix_pool_does_not_and_the_seed_l
     """Two servers, one Prometheus (the repo's rules, `for` cut to 2 s), one Alertmanager (the repo's routes).
 
     `overloaded`: 8 MiB of KV (11 blocks of 16 uncompressed tokens) for two requests of 5 blocks and one
-    of 2, and a TPOT SLO of 10 ms that no token meets.
+    of 2, a TPOT SLO of 10 ms that no token meets, and one request in 5 minutes enough to page.
     `healthy`, loaded after it: many short distinct chats that fill its 6 MiB prefix pool, default SLOs.
     """
     # One torch thread each: torch's threads spin, and two servers must not oversubscribe a small machine.
     common = ["--model-path", str(default_path), "--shutdown-grace-period", "0", "--torch-threads", "1"]
     with ThreadPoolExecutor(2) as starting:
-        overloaded_start = starting.submit(LiveServer, *common, "--max-cache-size", "8", "--slo-tpot-seconds", "0.01")
+        overloaded_start = starting.submit(
+            LiveServer, *common, "--max-cache-size", "8", "--slo-tpot-seconds", "0.01", "--slo-min-requests", "1"
+        )
         healthy_start = starting.submit(LiveServer, *common, "--max-cache-size", "6")
         overloaded, healthy = overloaded_start.result(), healthy_start.result()
     a, b = overloaded.url.removeprefix("http://"), healthy.url.removeprefix("http://")
