@@ -3,9 +3,10 @@
 A benchmark prints its table and writes OUT.md and OUT.json side by side; the JSON carries its
 provenance: the commit, the command, the date and a digest of the code it measures. The README's
 figures are generated from those files (`python -m benchmarks.report`, `make readme`) between
-markers `<!-- results NAME -->` and `<!-- /results -->`, and a result whose measured code has
-changed since is marked stale there, so a table can neither drift from its file nor outlive its
-code without saying so (a test holds the README to what this module generates).
+markers `<!-- results NAME -->` and `<!-- /results -->` (`<!-- results NAME: Heading | Heading -->`
+shows only the file's opening text and the `####` sections whose headings start so), and a result
+whose measured code has changed since is marked stale there, so a table can neither drift from its
+file nor outlive its code without saying so (a test holds the README to what this module generates).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ README = ROOT / "README.md"
 # What the figures of a benchmark depend on: the server's code, its models and its configuration
 # (the benchmark scripts are the instrument, not what is measured).
 SERVER_CODE = ("app", "compression", "models", "config")
-_BLOCK = re.compile(r"(<!-- results (?P<name>[\w-]+) -->\n).*?(<!-- /results -->)", re.S)
+_BLOCK = re.compile(r"(<!-- results (?P<name>[\w-]+)(?:: (?P<sections>[^>]+?))? -->\n).*?(<!-- /results -->)", re.S)
+_SECTION = re.compile(r"^(?=#### )", re.M)
 
 
 @dataclass(frozen=True)
@@ -105,12 +107,20 @@ def code_digest(paths: tuple[str, ...], rev: str | None = None, root: Path = ROO
     return digest.hexdigest()[:16]
 
 
-def readme_block(name: str, results: Path = RESULTS) -> str:
-    """What the README shows for results NAME: its provenance, staleness and table."""
+def readme_block(name: str, results: Path = RESULTS, sections: tuple[str, ...] = ()) -> str:
+    """What the README shows for results NAME: its provenance, staleness and tables (all, or the
+    opening text and the `####` sections whose headings start with one of `sections`)."""
     prov = Provenance.of(json.loads((results / f"{name}.json").read_text()))
     body = (results / f"{name}.md").read_text().split("\n", 1)[1].strip()  # without its title
+    if sections:
+        opening, *parts = _SECTION.split(body)
+        chosen = [part.strip() for part in parts if part.removeprefix("#### ").startswith(sections)]
+        if len(chosen) < len(sections):
+            raise ValueError(f"{name}.md lacks a section starting with one of {sections}")
+        body = "\n\n".join([opening.strip(), *chosen])
+    file = f"{name}.md" if sections else f"{name}.json"
+    source = f"[`{file}`](benchmarks/results/{file}){', in part' if sections else ''}"
     state = " (with uncommitted changes)" if prov.uncommitted else ""
-    source = f"[`{name}.json`](benchmarks/results/{name}.json)"
     lines = [f"*{source}: measured at {prov.commit}{state} on {prov.date} by `{prov.command}`.*"]
     if prov.historical:
         lines.append(f"*Historical: {prov.historical}*")
@@ -124,7 +134,12 @@ def readme_block(name: str, results: Path = RESULTS) -> str:
 
 def render_readme(text: str, results: Path = RESULTS) -> str:
     """`text` with every results block regenerated from its files."""
-    return _BLOCK.sub(lambda m: m.group(1) + readme_block(m.group("name"), results) + m.group(3), text)
+
+    def block(match: re.Match) -> str:
+        sections = tuple(s.strip() for s in (match["sections"] or "").split("|") if s.strip())
+        return match.group(1) + readme_block(match["name"], results, sections) + match.group(4)
+
+    return _BLOCK.sub(block, text)
 
 
 def _command(argv: list[str]) -> str:

@@ -58,3 +58,14 @@ def test_a_block_says_stale_once_the_measured_code_changed_and_never_for_a_histo
     assert "Stale" in block(replace(now, code_digest="0" * 16))
     historical = block(replace(now, code_digest="0" * 16, historical="the code before X."))
     assert "Stale" not in historical and "Historical: the code before X." in historical
+
+
+def test_a_block_may_show_only_some_sections_of_its_file(tmp_path):
+    (tmp_path / "run.md").write_text("# Title\n\nCases.\n\n#### Needle\n\n| n |\n\n#### Perplexity\n\n| p |\n")
+    (tmp_path / "run.json").write_text(json.dumps({"provenance": asdict(Provenance.capture(("app",)))}))
+    part = readme_block("run", tmp_path, ("Perplexity",))
+    assert "Cases." in part and "#### Perplexity\n\n| p |" in part and "Needle" not in part and "in part" in part
+    text = "<!-- results run: Needle | Perplexity -->\n<!-- /results -->\n"
+    assert "| n |" in render_readme(text, tmp_path) and "| p |" in render_readme(text, tmp_path)
+    with pytest.raises(ValueError, match="lacks a section"):
+        readme_block("run", tmp_path, ("Latency",))
