@@ -62,8 +62,8 @@ def test_traces_follow_the_serving_timeline_and_targets_sum_the_future(tokenizer
     import random
 
     from app.engine import EngineConfig, LLMEngine
+    from benchmarks.collect_traces import record, samples
     from compression.config import CompressionConfig
-    from compression.predictor.collect import record, samples
     from compression.predictor.features import scaled_attention, target
 
     model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)

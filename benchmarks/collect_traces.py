@@ -8,13 +8,14 @@ the attention it receives over the next `prediction_window` decode steps (every 
 Prompts come from text that ships with Python: long documents with a question, multi-turn chats
 and free continuations.
 
-    python -m compression.predictor.collect --out traces/ --sequences 24
+    python benchmarks/collect_traces.py --out traces/ --sequences 24
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,12 +23,16 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from app.engine import EngineConfig, LLMEngine
-from app.sequence import SamplingParams
-from compression.config import CompressionConfig, resolve
-from compression.predictor.features import target, window_features
-from compression.predictor.model import PredictorConfig
-from compression.scoring import make_policy
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from app.engine import EngineConfig, LLMEngine  # noqa: E402
+from app.sequence import SamplingParams  # noqa: E402
+from benchmarks.corpus import paragraphs  # noqa: E402
+from compression.config import CompressionConfig, resolve  # noqa: E402
+from compression.predictor.features import target, window_features  # noqa: E402
+from compression.predictor.model import PredictorConfig  # noqa: E402
+from compression.scoring import make_policy  # noqa: E402
+from models.loader import load_model  # noqa: E402
 
 SAMPLE_TENSORS = ("windows", "targets", "accumulated", "groups", "at_prefill", "held", "decayed_total")
 
@@ -226,9 +231,6 @@ def _sample_layer(
 
 
 def main() -> None:
-    from benchmarks.corpus import paragraphs
-    from models.loader import load_model
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", type=Path, default=None)
     parser.add_argument("--out", type=Path, required=True)
