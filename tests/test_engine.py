@@ -126,16 +126,14 @@ def test_listeners_are_told_once_per_finish_preemption_and_abort_in_order(model,
 
 def test_failed_forward_fails_its_batch_and_the_engine_goes_on(model, tokenizer):
     engine = make_engine(model, tokenizer)
-    run = engine.runner.run
     calls = {"n": 0}
 
-    def flaky(chunks, **kwargs):
+    def flaky(chunks, logits):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected fault")
-        return run(chunks, **kwargs)
 
-    engine.runner.run = flaky
+    engine.runner.after_forward.append(flaky)
     first, later = prompts(tokenizer, [10, 10])
     engine.add_request("first", first, greedy(5))
     results = run_to_completion(engine)
@@ -193,17 +191,14 @@ def test_nan_logits_or_a_detokenizer_fault_fail_one_request_only(model, tokenize
     batch = prompts(tokenizer, [12, 14, 16])
     for i, p in enumerate(batch):
         engine.add_request(str(i), p, greedy(6, ignore_eos=True))
-    run = engine.runner.run
     victim = engine.outputs.requests["0"].seq_id
 
-    def poisoned(chunks, **kwargs):  # the row of request "0" turns to NaN
-        logits = run(chunks, **kwargs)
+    def poison(chunks, logits):  # the row of request "0" turns to NaN
         sampled = [c.seq_id for c in chunks if c.needs_logits]
         if victim in sampled:
             logits[sampled.index(victim)] = torch.nan
-        return logits
 
-    engine.runner.run = poisoned
+    engine.runner.after_forward.append(poison)
     detok = engine.outputs.detokenizers[engine.outputs.requests["1"].seq_id]
     detok.add = lambda token: (_ for _ in ()).throw(UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected"))
     results = run_to_completion(engine)
