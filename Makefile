@@ -52,10 +52,10 @@ lint: $(STAMP)
 TRACES ?= traces
 PREDICTOR ?= models/predictor/SmolLM2-135M-Instruct.safetensors
 collect-traces: model
-	$(PY) -m compression.predictor.collect --out $(TRACES) $(ARGS)
+	$(PY) benchmarks/collect_traces.py --out $(TRACES) $(ARGS)
 
 train-predictor: model
-	test -d $(TRACES) || $(PY) -m compression.predictor.collect --out $(TRACES)
+	test -d $(TRACES) || $(PY) benchmarks/collect_traces.py --out $(TRACES)
 	$(PY) -m compression.predictor.train --traces $(TRACES) --profile small --out $(PREDICTOR)
 	$(PY) -m compression.predictor.calibrate --traces $(TRACES) --predictor $(PREDICTOR)
 

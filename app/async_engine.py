@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from app.engine import LLMEngine, RequestOutput, StepStats
+from app.engine import LLMEngine, StepStats
+from app.outputs import RequestOutput
 from app.sequence import SamplingParams
 from compression.config import CompressionParams
 

@@ -1,25 +1,27 @@
 """The synchronous engine: one `step()` schedules, runs the model, samples and emits outputs.
 
 It owns the scheduler, the model runner and the KV store and is driven either directly (tests,
-benchmarks) or by `AsyncEngine`'s loop thread (the server).
+benchmarks) or by `AsyncEngine`'s loop thread (the server). Sequences finish and are preempted
+only through the scheduler, which tells the compression engine, the prefix cache and the outputs.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from app.detokenizer import IncrementalDetokenizer
+from app.listeners import CompressionListener, PrefixCacheListener
 from app.model_runner import ModelRunner
-from app.sampler import SampleOutput, TokenLogprob, sample
-from app.scheduler import Scheduler, SchedulerOutput
+from app.outputs import Outputs, RequestOutput
+from app.sampler import SampleOutput, sample
+from app.scheduler import Scheduler, SchedulerOutput, SequenceListener
 from app.sequence import FinishReason, SamplingParams, Sequence
 from compression.config import CompressionConfig, CompressionParams, resolve
-from compression.engine import CompressionEngine, CompressionMetrics
+from compression.engine import CompressionEngine
 from compression.kv_store import KVStore
 from compression.predictor.calibration import Calibration, Source
 from compression.predictor.online import FutureValue, load_retention, predictor_path
@@ -38,21 +40,6 @@ class EngineConfig:
 
 
 @dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    delta_text: str
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int = 0
-    error: str | None = None
-    compression_metrics: dict | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # of new_token_ids, when asked for
-
-
-@dataclass
 class StepStats:
     """What one step did, for metrics and benchmarks."""
 
@@ -64,15 +51,6 @@ class StepStats:
     compression_s: float = 0.0
     queue_s: list[float] = field(default_factory=list)  # waits of the sequences admitted in this step
     num_out_of_memory: int = 0  # requests failed for want of KV memory (too big, or an OOM in the forward)
-
-
-@dataclass
-class _StepOutputs:
-    """What a step gathers as it goes."""
-
-    outputs: list[RequestOutput] = field(default_factory=list)  # for the clients
-    finished: list[Sequence] = field(default_factory=list)
-    out_of_memory: int = 0  # requests failed for want of KV memory
 
 
 class LLMEngine:
@@ -106,13 +84,23 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, self.store)
         self.prefix_cache = PrefixCache(self.store, config.lru_k) if config.prefix_cache else None
+        self.outputs = Outputs(tokenizer.backend_tokenizer)
+        # In this order: the compression metrics are read before the prefix cache takes the KV,
+        # and the final output carries them.
+        listeners: list[SequenceListener] = [CompressionListener(self.compression)]
+        if self.prefix_cache is not None:
+            listeners.append(PrefixCacheListener(self.prefix_cache))
+        listeners.append(self.outputs)
         self.scheduler = Scheduler(
-            self.store, config.max_num_seqs, config.max_num_batched_tokens, self.prefix_cache, self.compression.relieve
+            self.store,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.prefix_cache,
+            self.compression.relieve,
+            listeners,
         )
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.max_model_len = _max_model_len(cfg)
-        self._detok: dict[int, IncrementalDetokenizer] = {}
-        self._by_request: dict[str, Sequence] = {}
         self.last_step: StepStats | None = None
 
     # ----- requests ----------------------------------------------------------------------
@@ -126,11 +114,10 @@ class LLMEngine:
         """Queue a request; `compression` None means the server's defaults, without stats."""
         if not prompt_token_ids:
             raise ValueError("the prompt has no tokens")
-        if request_id in self._by_request:
+        if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         seq = Sequence(request_id, list(prompt_token_ids), params)
-        self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, params.stop)
-        self._by_request[request_id] = seq
+        self.outputs.add(seq)
         compression = compression or self.default_compression()
         seq.prefix_fingerprint = compression.fingerprint
         self.store.set_storage(seq.seq_id, compression.kv_cache_dtype)
@@ -155,13 +142,14 @@ class LLMEngine:
         return resolve(self.compression_config, None, server_enabled=True, stats=stats)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request; its memory is returned at once."""
-        seq = self._by_request.get(request_id)
+        """Cancel a request; its memory is returned at once. Its final output is returned here, not
+        by a step."""
+        seq = self.outputs.requests.get(request_id)
         if seq is None:
             return None
-        metrics = self.compression.release(seq.seq_id, seq.num_computed, seq.num_cached_tokens, seq.prefix_parked)
         self.scheduler.finish(seq, FinishReason.ABORT)
-        return self._output(seq, [], final=True, metrics=metrics)
+        outputs, _ = self.outputs.drain()  # between steps, only the abort's own
+        return outputs[-1]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -187,59 +175,57 @@ class LLMEngine:
         """Schedule, run the model once over every scheduled chunk, then postprocess: sample,
         detokenise, stop and compress. Returns the outputs for the clients."""
         started = time.perf_counter()
-        out = _StepOutputs()
-        sched = self._schedule(out)
+        sched = self._schedule()
+        out_of_memory = len(sched.rejected)
         compression_s = 0.0
         if sched.chunks:
-            logits = self._run(sched, out)
-            compression_s = self._postprocess(sched, logits, out)
+            logits, failed = self._run(sched)
+            out_of_memory += failed
+            compression_s = self._postprocess(sched, logits)
+        outputs, finished = self.outputs.drain()
         self.last_step = StepStats(
             time.perf_counter() - started,
             len(sched.chunks),
             sched.num_tokens,
             len(sched.preempted),
-            out.finished,
+            finished,
             compression_s,
             [seq.first_scheduled_time - seq.arrival_time for seq in sched.admitted],
-            out.out_of_memory,
+            out_of_memory,
         )
-        return out.outputs
+        return outputs
 
-    def _schedule(self, out: _StepOutputs) -> SchedulerOutput:
+    def _schedule(self) -> SchedulerOutput:
         """Time out requests past their deadline, schedule, and fail those that can never fit."""
         now = time.monotonic()
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             if seq.params.deadline is not None and now > seq.params.deadline:
-                self._finish(seq, FinishReason.TIMEOUT, out)
+                self.scheduler.finish(seq, FinishReason.TIMEOUT)
         sched = self.scheduler.schedule()
-        for seq in sched.preempted:
-            self.compression.preempted(seq.seq_id)
-        out.out_of_memory += len(sched.rejected)
         for seq in sched.rejected:
             need = self.store.bytes_for(seq.num_uncomputed, self.store.codec_of(seq.seq_id))
             error = (
                 f"the request needs {need} bytes of KV cache but max_cache_size is {self.store.max_bytes}; "
                 "shorten the prompt or raise max_cache_size"
             )
-            self._finish(seq, FinishReason.ERROR, out, error=error)
+            self.scheduler.finish(seq, FinishReason.ERROR, error)
         return sched
 
-    def _run(self, sched: SchedulerOutput, out: _StepOutputs) -> torch.Tensor | None:
-        """One forward pass; logits of the chunks that need them. A failed forward fails only the
-        sequences in it (and leaves nothing scheduled)."""
+    def _run(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, int]:
+        """One forward pass; logits of the chunks that need them, and the requests failed for want of
+        memory. A failed forward fails only the sequences in it (and leaves nothing scheduled)."""
         self.compression.prepare(sched.chunks)
         try:
-            return self.runner.run(sched.chunks, observer=self.compression)
+            return self.runner.run(sched.chunks, observer=self.compression), 0
         except Exception as exc:
             log.exception("forward pass failed for %d sequences", len(sched.sequences))
-            if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-                out.out_of_memory += len(sched.sequences)
+            out_of_memory = len(sched.sequences) if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) else 0
             for seq in sched.sequences:
-                self._finish(seq, FinishReason.ERROR, out, error=f"model forward failed: {exc}")
+                self.scheduler.finish(seq, FinishReason.ERROR, f"model forward failed: {exc}")
             sched.sequences, sched.chunks = [], []
-            return None
+            return None, out_of_memory
 
-    def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor | None, out: _StepOutputs) -> float:
+    def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor | None) -> float:
         """Advance the scheduled sequences, sample the next token of those that need one, then
         compress the sequences still running; return the seconds compression took."""
         sampled = [seq for seq, chunk in zip(sched.sequences, sched.chunks, strict=True) if chunk.needs_logits]
@@ -251,7 +237,7 @@ class LLMEngine:
             results = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
             for seq, result in zip(sampled, results, strict=True):
                 confidence[seq.seq_id] = result.top_prob
-                self._append_token(seq, result, out)
+                self._append_token(seq, result)
         running = [seq for seq in sched.sequences if not seq.is_finished]
         return self.compression.after_step(running, confidence)
 
@@ -265,9 +251,9 @@ class LLMEngine:
             if seq.num_computed == seq.num_prompt_tokens and self.compression.compresses(seq.seq_id):
                 self.prefix_cache.park_prompt(seq.seq_id, seq.prompt_token_ids, seq.prefix_fingerprint)
 
-    def _append_token(self, seq: Sequence, result: SampleOutput, out: _StepOutputs) -> None:
+    def _append_token(self, seq: Sequence, result: SampleOutput) -> None:
         if result.token_id is None:
-            self._finish(seq, FinishReason.ERROR, out, error=result.error)
+            self.scheduler.finish(seq, FinishReason.ERROR, result.error)
             return
         token = result.token_id
         seq.token_ids.append(token)
@@ -276,10 +262,10 @@ class LLMEngine:
             reason = FinishReason.STOP
         else:
             try:
-                if self._detok[seq.seq_id].add(token):
+                if self.outputs.detokenize(seq, token):
                     reason = FinishReason.STOP
             except Exception as exc:
-                self._finish(seq, FinishReason.ERROR, out, error=f"detokenization failed: {exc}")
+                self.scheduler.finish(seq, FinishReason.ERROR, f"detokenization failed: {exc}")
                 return
             if reason is None and (
                 len(seq.output_token_ids) >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len
@@ -287,52 +273,10 @@ class LLMEngine:
                 reason = FinishReason.LENGTH
         logprobs = [result.logprob] if result.logprob is not None else []
         if reason is None:
-            out.outputs.append(self._output(seq, [token], final=False, logprobs=logprobs))
+            self.outputs.emit(seq, token, logprobs)
         else:
-            self._finish(seq, reason, out, new_tokens=[token], logprobs=logprobs)
-
-    def _finish(
-        self,
-        seq: Sequence,
-        reason: FinishReason,
-        out: _StepOutputs,
-        error: str | None = None,
-        new_tokens: list[int] | None = None,
-        logprobs: list[TokenLogprob] | None = None,
-    ) -> None:
-        metrics = self.compression.release(seq.seq_id, seq.num_computed, seq.num_cached_tokens, seq.prefix_parked)
-        if self.prefix_cache is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
-            self.prefix_cache.insert(seq.seq_id, seq.token_ids[: seq.num_computed], seq.prefix_fingerprint)
-        self.scheduler.finish(seq, reason, error)
-        out.outputs.append(self._output(seq, new_tokens or [], final=True, metrics=metrics, logprobs=logprobs))
-        out.finished.append(seq)
-
-    def _output(
-        self,
-        seq: Sequence,
-        new_tokens: list[int],
-        final: bool,
-        metrics: CompressionMetrics | None = None,
-        logprobs: list[TokenLogprob] | None = None,
-    ) -> RequestOutput:
-        detok = self._detok[seq.seq_id]
-        out = RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=new_tokens,
-            delta_text=detok.delta(final),
-            finished=final,
-            finish_reason=seq.finish_reason.value if final and seq.finish_reason else None,
-            prompt_tokens=seq.num_prompt_tokens,
-            completion_tokens=len(seq.output_token_ids),
-            cached_prompt_tokens=seq.num_cached_tokens,
-            error=seq.error,
-            compression_metrics=asdict(metrics) if metrics is not None else None,
-            logprobs=logprobs or [],
-        )
-        if final:
-            del self._detok[seq.seq_id]
-            del self._by_request[seq.request_id]
-        return out
+            self.outputs.hold_last(seq, token, logprobs)
+            self.scheduler.finish(seq, reason)
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:

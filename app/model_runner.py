@@ -10,6 +10,8 @@ before it were evicted.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import PreTrainedModel
 
@@ -23,6 +25,9 @@ class ModelRunner:
         self.model = model
         self.store = store
         self.device = next(model.parameters()).device
+        # For tests, called in the order added after each forward with its chunks and the logits it
+        # returns (a row per chunk that needs one): a hook may change them in place, or raise to fail it.
+        self.after_forward: list[Callable[[list[ScheduledChunk], torch.Tensor], None]] = []
         register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
 
@@ -42,15 +47,19 @@ class ModelRunner:
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
         batch = PackedBatch(self.store, segments, position_ids[0], observer)
-        if not keep:
+        if keep:
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=torch.tensor(keep, device=self.device),
+                packed_batch=batch,
+            )
+            logits = out.logits[0].float()
+        else:
             # Nothing to sample (only middle chunks of long prompts): skip the LM head entirely.
             self.model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False, packed_batch=batch)
-            return torch.empty(0, self.model.config.vocab_size, device=self.device)
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            use_cache=False,
-            logits_to_keep=torch.tensor(keep, device=self.device),
-            packed_batch=batch,
-        )
-        return out.logits[0].float()
+            logits = torch.empty(0, self.model.config.vocab_size, device=self.device)
+        for hook in self.after_forward:
+            hook(chunks, logits)
+        return logits

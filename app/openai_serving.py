@@ -11,7 +11,6 @@ from fastapi import Request
 from sse_starlette import EventSourceResponse
 from transformers import PreTrainedTokenizerBase
 
-from app.engine import RequestOutput
 from app.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -34,6 +33,7 @@ from app.openai_protocol import (
     UsageInfo,
     _SamplingRequest,
 )
+from app.outputs import RequestOutput
 from app.sampler import TokenLogprob
 from app.schemas import ChatMessage, GenerateRequest
 from app.serving import APIError, GenerateService, PreparedRequest

@@ -8,6 +8,9 @@ first (LRU-K), then running sequences that compress are squeezed (their rate rai
 up to a ceiling), and only then is the newest running sequence preempted: its cache is freed and it is
 requeued at the front to be recomputed later. A waiting sequence whose tokens start with a
 parked sequence's tokens starts from a copy of those entries (prefix reuse).
+
+The scheduler is the one place where a sequence finishes or is preempted: it sets the state, tells
+its listeners (in the order they were given) while the sequence's KV is still held, then frees it.
 """
 
 from __future__ import annotations
@@ -16,10 +19,21 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from app.sequence import FinishReason, ScheduledChunk, Sequence, SequenceStatus
 from compression.kv_store import KVBudgetExceeded, KVStore
 from compression.prefix_cache import PrefixCache, PrefixHit
+
+
+class SequenceListener(Protocol):
+    """Told when a sequence finishes or is preempted, before its KV is freed."""
+
+    def finished(self, seq: Sequence) -> None:
+        """For good: its status, finish_reason and error are set."""
+
+    def preempted(self, seq: Sequence) -> None:
+        """Requeued to be recomputed from scratch."""
 
 
 @dataclass
@@ -43,10 +57,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         prefix_cache: PrefixCache | None = None,
         relieve: Callable[[list[Sequence]], bool] | None = None,
+        listeners: list[SequenceListener] | None = None,
     ) -> None:
         self.store = store
         self.prefix_cache = prefix_cache
         self.relieve = relieve  # compresses running sequences harder; True if it freed bytes
+        self.listeners = listeners or []
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -106,7 +122,7 @@ class Scheduler:
         return out
 
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
-        """Take a sequence out of the scheduler for good and give its memory back."""
+        """Take a sequence out of the scheduler for good, tell the listeners and give its memory back."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
@@ -114,6 +130,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        for listener in self.listeners:
+            listener.finished(seq)
         self.store.free(seq.seq_id)
 
     # ----- internals ---------------------------------------------------------------------
@@ -173,7 +191,9 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        for listener in self.listeners:
+            listener.preempted(seq)
         self.store.free(seq.seq_id, preempted=True)
         seq.num_computed = 0
-        seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

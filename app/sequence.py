@@ -10,6 +10,8 @@ from enum import Enum, StrEnum
 
 import torch
 
+from compression.engine import CompressionMetrics
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -60,6 +62,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
+    compression_metrics: CompressionMetrics | None = None  # its figures as it finished, for its final output
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     generator: torch.Generator = field(init=False, repr=False)

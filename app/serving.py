@@ -14,8 +14,8 @@ from starlette.background import BackgroundTask
 from transformers import PreTrainedTokenizerBase
 
 from app.async_engine import AsyncEngine
-from app.engine import RequestOutput
 from app.metrics import Metrics
+from app.outputs import RequestOutput
 from app.schemas import CompressionMetricsModel, GenerateRequest, GenerateResponse, StreamChunk, Usage
 from app.sequence import SamplingParams
 from app.settings import Settings

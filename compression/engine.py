@@ -5,13 +5,14 @@ attention observed in the coming forward pass (end of prefill, then every `score
 steps) or audited (requests that asked for `compression_metrics`, and all that the predictor
 ranks while its mistakes are logged); as the `AttentionObserver` it
 receives those observations; `after_step()` compresses the sequences that are due (once at the
-end of prefill, then every `compression_interval` decode steps).
+end of prefill, then every `compression_interval` decode steps). Its `hooks` let tests and trace
+collection watch it without replacing its methods.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
@@ -129,6 +130,21 @@ class SequenceState:
         self.content_bytes_per_token = None
 
 
+@dataclass
+class CompressionHooks:
+    """Callbacks, called in the order added, for tests and trace collection (serving adds none, and
+    then they cost nothing)."""
+
+    # After each compression of a sequence, due or forced by memory pressure, whether or not it
+    # changed anything: (seq_id, tokens computed, its state).
+    compressed: list[Callable[[int, int, SequenceState], None]] = field(default_factory=list)
+    # After each observation of a sequence's attention is folded in: (seq_id, layer, rows [observed
+    # queries, held entries]), the attention each held entry received from each query.
+    observed: list[Callable[[int, int, torch.Tensor], None]] = field(default_factory=list)
+    # After each step's sampling: the top-token probability of each sequence that sampled, by seq_id.
+    sampled: list[Callable[[dict[int, float]], None]] = field(default_factory=list)
+
+
 class CompressionEngine:
     def __init__(
         self,
@@ -146,6 +162,7 @@ class CompressionEngine:
         self.squeezes = 0  # compressions forced by memory pressure
         self.states: dict[int, SequenceState] = {}
         self.audit_bytes = 0
+        self.hooks = CompressionHooks()
         # On CUDA the compression work is queued on its own stream; each side waits for the other's
         # queued work before touching the buffers they share, so nothing is read half-compacted.
         self.stream = torch.cuda.Stream(store.device) if store.device.type == "cuda" else None
@@ -254,6 +271,8 @@ class CompressionEngine:
             picked = rows.flip(0)[:: state.params.score_interval][: kv.observed.shape[0]].flip(0)
             recent = kv.observed[:, :n]
             recent.copy_(torch.cat((recent[picked.shape[0] :], picked.to(recent.dtype))))
+        for hook in self.hooks.observed:
+            hook(seq_id, layer, rows)
 
     def on_decode_attention(self, layer: int, seq_ids: list[int], rows: torch.Tensor) -> None:
         # One update per scoring rule for the whole batch, not a call per sequence.
@@ -263,6 +282,9 @@ class CompressionEngine:
         for members in groups.values():
             policy = self.states[seq_ids[members[0]]].policy
             self.store.observe(layer, [seq_ids[i] for i in members], rows[members], policy.accumulate)
+        for hook in self.hooks.observed:
+            for seq_id, row in zip(seq_ids, rows, strict=True):
+                hook(seq_id, layer, row[: self.store.seq_length(seq_id, layer)].unsqueeze(0))
 
     def audit_keys(self, seq_id: int, layer: int) -> torch.Tensor | None:
         return self.states[seq_id].audit.get(layer)
@@ -277,6 +299,8 @@ class CompressionEngine:
     def after_step(self, sequences: list[TrackedSequence], sampled_confidence: dict[int, float]) -> float:
         """Compress every due sequence; return the seconds spent."""
         started = time.perf_counter()
+        for hook in self.hooks.sampled:
+            hook(sampled_confidence)
         ready: list[tuple[TrackedSequence, SequenceState]] = []
         for seq in sequences:
             state = self.states.get(seq.seq_id)
@@ -383,6 +407,13 @@ class CompressionEngine:
         self, seq_id: int, num_tokens: int, state: SequenceState, predicted: dict[int, Forecast] | None = None
     ) -> None:
         """Re-tier one sequence; `predicted` (by layer) is the predictor's output, when already computed."""
+        self._retier(seq_id, num_tokens, state, predicted)
+        for hook in self.hooks.compressed:
+            hook(seq_id, num_tokens, state)
+
+    def _retier(
+        self, seq_id: int, num_tokens: int, state: SequenceState, predicted: dict[int, Forecast] | None
+    ) -> None:
         params = state.params
         store = self.store
         budget = self._budget(seq_id, num_tokens, state)

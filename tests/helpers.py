@@ -13,7 +13,8 @@ import httpx
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from app.engine import EngineConfig, LLMEngine, RequestOutput
+from app.engine import EngineConfig, LLMEngine
+from app.outputs import RequestOutput
 from app.sequence import SamplingParams
 from compression.attention import Segment
 from compression.config import CompressionConfig

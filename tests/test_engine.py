@@ -85,18 +85,55 @@ def test_abort_returns_memory_at_once(model, tokenizer):
     assert engine.store.used_bytes == 0
 
 
+class Recorder:
+    """A scheduler listener that logs what it is told, and whether the sequence still held its KV."""
+
+    def __init__(self, name, store, log):
+        self.name, self.store, self.log = name, store, log
+
+    def finished(self, seq):
+        self.log.append((self.name, "finished", seq.request_id, seq.finish_reason, self.store.seq_bytes(seq.seq_id)))
+
+    def preempted(self, seq):
+        self.log.append((self.name, "preempted", seq.request_id, None, self.store.seq_bytes(seq.seq_id)))
+
+
+def test_listeners_are_told_once_per_finish_preemption_and_abort_in_order(model, tokenizer):
+    free = make_engine(model, tokenizer)
+    engine = make_engine(model, tokenizer, max_cache_bytes=300 * free.store.token_bytes)  # forces preemption
+    log = []
+    engine.scheduler.listeners += [Recorder("first", engine.store, log), Recorder("second", engine.store, log)]
+    for i, p in enumerate(prompts(tokenizer, [30, 50, 20, 60, 40, 35])):
+        engine.add_request(str(i), p, greedy(40, ignore_eos=True))
+    engine.step()
+    aborted = engine.abort("0")
+    preempted = engine.last_step.num_preempted
+    while engine.has_unfinished():
+        engine.step()
+        preempted += engine.last_step.num_preempted
+    assert aborted.finished and aborted.finish_reason == "abort"
+    assert preempted > 0
+    # Each event reaches both, the first registered first, while the sequence still holds its KV.
+    assert [entry[0] for entry in log] == ["first", "second"] * (len(log) // 2)
+    events = [entry[1:] for entry in log[::2]]
+    assert events == [entry[1:] for entry in log[1::2]]
+    assert all(held > 0 for *_, held in events)
+    finished = [(request, reason) for kind, request, reason, _ in events if kind == "finished"]
+    assert sorted(finished) == [("0", "abort")] + [(str(i), "length") for i in range(1, 6)]
+    assert sum(kind == "preempted" for kind, *_ in events) == preempted
+    assert engine.store.used_bytes == 0
+
+
 def test_failed_forward_fails_its_batch_and_the_engine_goes_on(model, tokenizer):
     engine = make_engine(model, tokenizer)
-    run = engine.runner.run
     calls = {"n": 0}
 
-    def flaky(chunks, **kwargs):
+    def flaky(chunks, logits):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected fault")
-        return run(chunks, **kwargs)
 
-    engine.runner.run = flaky
+    engine.runner.after_forward.append(flaky)
     first, later = prompts(tokenizer, [10, 10])
     engine.add_request("first", first, greedy(5))
     results = run_to_completion(engine)
@@ -154,18 +191,15 @@ def test_nan_logits_or_a_detokenizer_fault_fail_one_request_only(model, tokenize
     batch = prompts(tokenizer, [12, 14, 16])
     for i, p in enumerate(batch):
         engine.add_request(str(i), p, greedy(6, ignore_eos=True))
-    run = engine.runner.run
-    victim = engine._by_request["0"].seq_id
+    victim = engine.outputs.requests["0"].seq_id
 
-    def poisoned(chunks, **kwargs):  # the row of request "0" turns to NaN
-        logits = run(chunks, **kwargs)
+    def poison(chunks, logits):  # the row of request "0" turns to NaN
         sampled = [c.seq_id for c in chunks if c.needs_logits]
         if victim in sampled:
             logits[sampled.index(victim)] = torch.nan
-        return logits
 
-    engine.runner.run = poisoned
-    detok = engine._detok[engine._by_request["1"].seq_id]
+    engine.runner.after_forward.append(poison)
+    detok = engine.outputs.detokenizers[engine.outputs.requests["1"].seq_id]
     detok.add = lambda token: (_ for _ in ()).throw(UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected"))
     results = run_to_completion(engine)
     assert results["0"][-1].finish_reason == "error" and "non-finite" in results["0"][-1].error

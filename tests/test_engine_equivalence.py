@@ -16,15 +16,12 @@ NEAR_TIE = 1e-4
 def run_staggered(engine, prompts: list[list[int]], max_tokens: int, arrivals: list[int]):
     """Add request i before step arrivals[i]; capture the logits the engine sampled from."""
     logits_by_seq: dict[int, list[torch.Tensor]] = defaultdict(list)
-    run = engine.runner.run
 
-    def capturing_run(chunks, **kwargs):
-        logits = run(chunks, **kwargs)
+    def capture(chunks, logits):
         for chunk, row in zip([c for c in chunks if c.needs_logits], logits, strict=False):
             logits_by_seq[chunk.seq_id].append(row.clone())
-        return logits
 
-    engine.runner.run = capturing_run
+    engine.runner.after_forward.append(capture)
     seqs, outputs = {}, defaultdict(list)
     step = 0
     while len(seqs) < len(prompts) or engine.has_unfinished():

@@ -47,14 +47,12 @@ def test_a_policy_of_one_class_is_accepted_by_name_and_decides_what_is_kept(toke
     ids = [int(t) for t in torch.randint(3, len(tokenizer), (300,), generator=torch.Generator().manual_seed(0))]
     engine.add_request("r", ids, greedy(16, ignore_eos=True), params)
     seen = []
-    compress = engine.compression.compress
 
-    def held_after_compress(seq_id, num_tokens, *args):
-        compress(seq_id, num_tokens, *args)
+    def held_after_compress(seq_id, num_tokens, state):
         kv = engine.store.layer(seq_id, 0)
         seen.append((num_tokens, kv.positions[: kv.length].sort().values.tolist()))
 
-    engine.compression.compress = held_after_compress
+    engine.compression.hooks.compressed.append(held_after_compress)
     out = run_to_completion(engine)["r"]
     assert out[-1].finished and seen
     num_tokens, held = seen[0]

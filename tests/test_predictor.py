@@ -62,8 +62,8 @@ def test_traces_follow_the_serving_timeline_and_targets_sum_the_future(tokenizer
     import random
 
     from app.engine import EngineConfig, LLMEngine
+    from benchmarks.collect_traces import record, samples
     from compression.config import CompressionConfig
-    from compression.predictor.collect import record, samples
     from compression.predictor.features import scaled_attention, target
 
     model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
@@ -134,13 +134,12 @@ def test_the_dynamic_policy_tiers_by_the_prediction_batched_over_layers_and_sequ
     engine = LLMEngine(model, tokenizer, EngineConfig(max_cache_bytes=2**30), settings, FutureValue(predictor, 2))
     compressed: list[tuple[bool, torch.Tensor, int]] = []
 
-    def check_after_compress(seq_id, num_tokens, state, *args, _compress=engine.compression.compress):
-        _compress(seq_id, num_tokens, state, *args)
+    def check_after_compress(seq_id, num_tokens, state):
         kv = engine.store.layer(seq_id, 0)
         assert kv.observed is not None and kv.observed.shape[0] == 2
         compressed.append((state.params.value_predictor, kv.positions[: kv.length].sort().values, num_tokens))
 
-    engine.compression.compress = check_after_compress
+    engine.compression.hooks.compressed.append(check_after_compress)
     rng = torch.Generator().manual_seed(0)
     ids = torch.randint(3, len(tokenizer), (150,), generator=rng).tolist()  # all three prefill in one step
     for name, use in (("a", True), ("b", True), ("c", False)):
@@ -192,11 +191,10 @@ def test_dropped_entries_that_draw_attention_are_logged_for_training(tokenizer, 
     engine.add_request("r", ids, greedy(40, ignore_eos=True), params)
     dropped = {}
 
-    def count_drops(seq_id, num_tokens, state, *args, _compress=engine.compression.compress):
-        _compress(seq_id, num_tokens, state, *args)
+    def count_drops(seq_id, num_tokens, state):
         dropped.update({layer: len(d.future) for layer, d in state.misses.items()})
 
-    engine.compression.compress = count_drops
+    engine.compression.hooks.compressed.append(count_drops)
     run_to_completion(engine)
     assert sum(dropped.values()) > 0 and engine.compression.audit_bytes == 0 and engine.store.used_bytes == 0
     files = list((tmp_path / "errors").glob("*.safetensors"))

@@ -8,13 +8,14 @@ the attention it receives over the next `prediction_window` decode steps (every 
 Prompts come from text that ships with Python: long documents with a question, multi-turn chats
 and free continuations.
 
-    python -m compression.predictor.collect --out traces/ --sequences 24
+    python benchmarks/collect_traces.py --out traces/ --sequences 24
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,12 +23,16 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from app.engine import EngineConfig, LLMEngine
-from app.sequence import SamplingParams
-from compression.config import CompressionConfig, resolve
-from compression.predictor.features import target, window_features
-from compression.predictor.model import PredictorConfig
-from compression.scoring import make_policy
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from app.engine import EngineConfig, LLMEngine  # noqa: E402
+from app.sequence import SamplingParams  # noqa: E402
+from benchmarks.corpus import paragraphs  # noqa: E402
+from compression.config import CompressionConfig, resolve  # noqa: E402
+from compression.predictor.features import target, window_features  # noqa: E402
+from compression.predictor.model import PredictorConfig  # noqa: E402
+from compression.scoring import make_policy  # noqa: E402
+from models.loader import load_model  # noqa: E402
 
 SAMPLE_TENSORS = ("windows", "targets", "accumulated", "groups", "at_prefill", "held", "decayed_total")
 
@@ -47,7 +52,6 @@ def record(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list
     """Run `prompts` through `engine` (which must observe every step and drop nothing)."""
     num_layers = engine.store.num_layers
     recordings: dict[int, Recording] = {}
-    observe, observe_decode = engine.compression.on_attention, engine.compression.on_decode_attention
 
     def record_rows(seq_id: int, layer: int, rows: torch.Tensor) -> None:
         rec = recordings[seq_id]
@@ -56,25 +60,13 @@ def record(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list
         else:
             rec.masses[layer].append(rows[-1].detach().float().cpu().clone())
 
-    def recording_observer(seq_id: int, layer: int, rows: torch.Tensor) -> None:
-        observe(seq_id, layer, rows)
-        record_rows(seq_id, layer, rows)
-
-    def recording_decode_observer(layer: int, seq_ids: list[int], rows: torch.Tensor) -> None:
-        observe_decode(layer, seq_ids, rows)
-        for seq_id, row in zip(seq_ids, rows, strict=True):
-            record_rows(seq_id, layer, row[: engine.store.seq_length(seq_id, layer)].unsqueeze(0))
-
-    after_step = engine.compression.after_step
-
-    def recording_after_step(sequences, confidence: dict[int, float]) -> float:
+    def record_confidences(confidence: dict[int, float]) -> None:
         for seq_id, value in confidence.items():
             recordings[seq_id].confidences.append(value)
-        return after_step(sequences, confidence)
 
-    engine.compression.on_attention = recording_observer
-    engine.compression.on_decode_attention = recording_decode_observer
-    engine.compression.after_step = recording_after_step
+    hooks = engine.compression.hooks
+    hooks.observed.append(record_rows)
+    hooks.sampled.append(record_confidences)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     params = resolve(
         engine.compression_config, {"policy": "h2o", "compression_rate": 0.0, "kv_cache_dtype": "auto"}, True, False
@@ -92,9 +84,8 @@ def record(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list
                     for layer in range(num_layers)
                 ]
             bar.update(sum(out.finished for out in engine.step()))
-    engine.compression.on_attention = observe
-    engine.compression.on_decode_attention = observe_decode
-    engine.compression.after_step = after_step
+    hooks.observed.remove(record_rows)
+    hooks.sampled.remove(record_confidences)
     for seq_id, rec in recordings.items():
         rec.key_norms = key_norms[seq_id]
     return list(recordings.values())
@@ -226,9 +217,6 @@ def _sample_layer(
 
 
 def main() -> None:
-    from benchmarks.corpus import paragraphs
-    from models.loader import load_model
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", type=Path, default=None)
     parser.add_argument("--out", type=Path, required=True)
