@@ -48,7 +48,7 @@ class _Abort:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[StepStats, LLMEngine], None] | None = None) -> None:
-        self.engine = engine
+        self.llm_engine = engine
         self.on_step = on_step
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -106,12 +106,12 @@ class AsyncEngine:
             with torch.inference_mode():
                 while not self._stopping.is_set():
                     self.heartbeat = time.time()
-                    self._drain_inbox(block=not self.engine.has_unfinished())
-                    if self.engine.has_unfinished():
-                        outputs = self.engine.step()
+                    self._drain_inbox(block=not self.llm_engine.has_unfinished())
+                    if self.llm_engine.has_unfinished():
+                        outputs = self.llm_engine.step()
                         self._dispatch(outputs)
-                        if self.on_step and self.engine.last_step:
-                            self.on_step(self.engine.last_step, self.engine)
+                        if self.on_step and self.llm_engine.last_step:
+                            self.on_step(self.llm_engine.last_step, self.llm_engine)
         except BaseException as exc:  # the loop must never die silently
             log.exception("engine loop crashed")
             self.error = exc
@@ -129,7 +129,7 @@ class AsyncEngine:
                 self._add(item)
             elif isinstance(item, _Abort):
                 self._streams.pop(item.request_id, None)
-                self.engine.abort(item.request_id)
+                self.llm_engine.abort(item.request_id)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -137,7 +137,7 @@ class AsyncEngine:
 
     def _add(self, cmd: _Add) -> None:
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.compression)
+            self.llm_engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.compression)
         except Exception as exc:  # a bad request fails alone
             self._streams.pop(cmd.request_id, None)
             _send(cmd.loop, cmd.stream, exc)

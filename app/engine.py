@@ -2,7 +2,7 @@
 
 It owns the scheduler, the model runner and the KV store and is driven either directly (tests,
 benchmarks) or by `AsyncEngine`'s loop thread (the server). Sequences finish and are preempted
-only through the scheduler, which tells the compression engine, the prefix cache and the outputs.
+only through the scheduler, which tells the compressor, the prefix cache and the outputs.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from app.outputs import Outputs, RequestOutput
 from app.sampler import SampleOutput, sample
 from app.scheduler import Scheduler, SchedulerOutput, SequenceListener
 from app.sequence import FinishReason, SamplingParams, Sequence
+from compression.compressor import Compressor
 from compression.config import CompressionConfig, CompressionParams, resolve
-from compression.engine import CompressionEngine
 from compression.kv_store import KVStore
 from compression.predictor.calibration import Calibration, Source
 from compression.predictor.online import FutureValue, load_retention, predictor_path
@@ -75,7 +75,7 @@ class LLMEngine:
             self.compression_config.key_only_value_bits,
             future_value.history_steps if future_value else 0,
         )
-        self.compression = CompressionEngine(
+        self.compression = Compressor(
             self.store,
             self.compression_config.pressure_rate_ceiling,
             self.compression_config.pressure_rate_step,

@@ -1,15 +1,15 @@
-"""The compression engine and the prefix cache as scheduler listeners: what each does as a
+"""The compressor and the prefix cache as scheduler listeners: what each does as a
 sequence finishes or is preempted (their own APIs speak of sequence ids)."""
 
 from __future__ import annotations
 
 from app.sequence import FinishReason, Sequence
-from compression.engine import CompressionEngine
+from compression.compressor import Compressor
 from compression.prefix_cache import PrefixCache
 
 
 class CompressionListener:
-    def __init__(self, compression: CompressionEngine) -> None:
+    def __init__(self, compression: Compressor) -> None:
         self.compression = compression
 
     def finished(self, seq: Sequence) -> None:

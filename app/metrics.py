@@ -109,7 +109,7 @@ class Metrics:
         )
         self.compression_time = Histogram(
             "kv_compression_seconds",
-            "Time the compression engine spent in one engine step (steps that compressed)",
+            "Time the compressor spent in one engine step (steps that compressed)",
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
             registry=r,
         )

@@ -1,7 +1,7 @@
 """Turns logits into tokens: greedy, temperature, top-k, top-p, per-request seeds.
 
 Besides the token it reports how sure the model was (the probability of the top token in the
-distribution the token was drawn from), which the compression engine uses as a signal, and,
+distribution the token was drawn from), which the compressor uses as a signal, and,
 for requests that ask, log-probabilities of the model's own distribution (before temperature and
 cuts, as OpenAI's API reports them).
 """

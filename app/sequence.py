@@ -10,7 +10,7 @@ from enum import Enum, StrEnum
 
 import torch
 
-from compression.engine import CompressionMetrics
+from compression.compressor import CompressionMetrics
 
 
 @dataclass(frozen=True)
@@ -101,5 +101,5 @@ class ScheduledChunk:
     token_ids: list[int]
     start: int
     needs_logits: bool  # the chunk reaches the sequence's last known token: sample from it
-    observe: int = 0  # last queries whose attention the compression engine observes (compression.attention.Segment)
+    observe: int = 0  # last queries whose attention the compressor observes (compression.attention.Segment)
     audit: bool = False  # measure the attention its sequence's dropped keys would get

@@ -59,8 +59,12 @@ class GenerateService:
         self.tokenizer = tokenizer
         self.settings = settings
         self.metrics = metrics
-        self.max_model_len = engine.engine.max_model_len
-        self.compression_config = engine.engine.compression_config
+        # What prepare() checks a request against: fixed facts of the engine, read once.
+        core = engine.llm_engine
+        self.max_model_len = core.max_model_len
+        self.compression_config = core.compression_config
+        self.max_cache_bytes = core.max_cache_bytes
+        self.kv_bytes_for = core.kv_bytes_for
         self.draining = False  # set on shutdown: refuse new requests
         # Requests accepted and not finished -> prompt tokens. Reserved when `prepare` accepts, not when the
         # engine first sees the request: a burst is admitted before any of its requests has started.
@@ -123,8 +127,8 @@ class GenerateService:
             raise APIError(422, "invalid_request", str(error), param=error.fields[0]) from None
         # Without compression the whole request must fit the budget; with it, the prompt must.
         need = len(ids) if compression.active else len(ids) + max_tokens
-        budget = self.engine.engine.max_cache_bytes
-        if self.engine.engine.kv_bytes_for(need, compression.kv_cache_dtype) > budget:
+        budget = self.max_cache_bytes
+        if self.kv_bytes_for(need, compression.kv_cache_dtype) > budget:
             self._refuse(413)
             self.metrics.oom_errors.inc()
             raise APIError(

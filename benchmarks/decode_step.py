@@ -217,7 +217,7 @@ def table(data: dict, args: argparse.Namespace) -> str:
             f"threads, median of {args.steps}-token runs' pure decode steps, the setups' steps taking turns in one "
             f"process; {command}.",
             "",
-            "| code | setup | median decode step | vs compression off | compression engine (median / mean) | "
+            "| code | setup | median decode step | vs compression off | compressor (median / mean) | "
             "KV held (median) |",
             "| --- | --- | ---: | ---: | ---: | ---: |",
         ]

@@ -10,7 +10,7 @@
    decayed attention), stated probability of being needed against how often such entries were, in
    ten bins, and the expected calibration error; and what the default thresholds would keep.
 3. Cost: decode steps of 16 x 2k-token sequences, compression off, dynamic by attention, dynamic
-   with the predictor: the compression engine's share of each step. At rate 0.75 by default: at
+   with the predictor: the compressor's share of each step. At rate 0.75 by default: at
    0.6 the budget holds every entry at int8, so nothing is scored and the predictor never runs.
 
 End-to-end quality (dynamic with and without the predictor, and the baselines) is

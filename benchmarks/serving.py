@@ -124,7 +124,7 @@ def measure_overhead(
     observed attention and, given a value predictor, dynamic at `rate` with it.
 
     Reports the median step time of each and, with compression on, the share of each step spent in
-    the compression engine (scoring, prediction, tiering, compaction), i.e. not counting the
+    the compressor (scoring, prediction, tiering, compaction), i.e. not counting the
     attention's own work on the int8/KEY_ONLY tiers, which shows in the step-time ratio.
     """
     prompts = [text_of_tokens(tokenizer, prompt_tokens, offset=11 * i) for i in range(num_seqs)]
@@ -241,7 +241,7 @@ def overhead_table(overhead: dict, seqs: int, prompt_tokens: int, threads: int) 
         f"Compression overhead: {seqs} sequences of {prompt_tokens} prompt tokens decoding together, {threads} "
         "CPU threads; dynamic with int8 storage.",
         "",
-        "| mode | median decode step | step time vs off | compression engine share of the step (mean / max) |",
+        "| mode | median decode step | step time vs off | compressor share of the step (mean / max) |",
         "| --- | ---: | ---: | ---: |",
     ]
     for label, row in overhead.items():

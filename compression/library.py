@@ -1,4 +1,4 @@
-"""`DynamicKVCompressor`: the compression engine for a plain transformers model, without the server.
+"""`DynamicKVCompressor`: the compressor for a plain transformers model, without the server.
 
     from compression import DynamicKVCompressor
 
@@ -24,8 +24,8 @@ import torch
 from transformers import Cache, LogitsProcessorList, PreTrainedModel
 
 from compression.attention import ATTENTION_NAME, PackedBatch, Segment, register_attention
+from compression.compressor import CompressionMetrics, Compressor
 from compression.config import CompressionConfig, parse_size, resolve
-from compression.engine import CompressionEngine, CompressionMetrics
 from compression.kv_store import KVStore, device_memory
 from compression.predictor.calibration import Calibration, Source
 from compression.predictor.online import FutureValue, load_retention, predictor_path
@@ -35,7 +35,7 @@ SEQ_ID = 0
 
 @dataclass
 class _Sequence:
-    """The one sequence, as the compression engine tracks it."""
+    """The one sequence, as the compressor tracks it."""
 
     seq_id: int = SEQ_ID
     num_computed: int = 0
@@ -91,7 +91,7 @@ class DynamicKVCompressor(Cache):
         self.future_value = future_value
         self.calibrations = calibrations
         self.store: KVStore | None = None
-        self.engine: CompressionEngine | None = None
+        self.engine: Compressor | None = None
         self.sequence = _Sequence()
         self._pending_confidence: float | None = None
 
@@ -156,7 +156,7 @@ class DynamicKVCompressor(Cache):
         )
         if self.calibrations is None:
             self.calibrations = load_retention(predictor_path(None), model.config)
-        self.engine = CompressionEngine(self.store, future_value=self.future_value, calibrations=self.calibrations)
+        self.engine = Compressor(self.store, future_value=self.future_value, calibrations=self.calibrations)
         self.sequence = _Sequence()
         self.store.set_storage(SEQ_ID, self.params.kv_cache_dtype)
         self._pending_confidence = None

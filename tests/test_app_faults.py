@@ -42,7 +42,7 @@ def test_an_engine_loop_crash_is_reported_by_health_ready_requests_and_metrics(t
         def crash():
             raise RuntimeError("injected loop fault")
 
-        client.app.state.engine.engine.step = crash
+        client.app.state.engine.llm_engine.step = crash
         failed = client.post("/generate", json=body)
         assert failed.status_code == 503 and failed.json()["error"]["type"] == "engine_unavailable"
         assert "restart" in failed.json()["error"]["message"]

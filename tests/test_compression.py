@@ -1,4 +1,4 @@
-"""The compression engine on real runs: budgets, tiers, protection, recall, mixed batches."""
+"""The compressor on real runs: budgets, tiers, protection, recall, mixed batches."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from app.engine import run_to_completion
 from compression.config import CompressionConfig, resolve
 from compression.kv_store import BLOCK_SIZE, Keep, KVStore
-from compression.policy import plan_tiers
 from compression.quant import dequantize, quantize
 from compression.scoring import POLICIES
+from compression.tiers import plan_tiers
 from tests.helpers import fill_store, greedy, make_engine, tiny_model, tokens_of
 
 EVICTING = list(POLICIES)
@@ -231,9 +231,9 @@ def test_config_file_matches_model_defaults():
 
 
 def test_dynamic_budget_compresses_harder_only_while_confident():
-    from compression.engine import CompressionEngine
+    from compression.compressor import Compressor
 
-    engine = CompressionEngine(KVStore(num_layers=1, num_kv_heads=1, head_dim=4, max_bytes=10**6))
+    engine = Compressor(KVStore(num_layers=1, num_kv_heads=1, head_dim=4, max_bytes=10**6))
     config = CompressionConfig()
     for seq_id, policy in ((1, "dynamic"), (2, "h2o")):
         engine.register(seq_id, resolve(config, {"policy": policy, "compression_rate": 0.6}, True, False), 10)

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from app.engine import run_to_completion
 from compression.config import Thresholds, resolve
 from compression.kv_store import BLOCK_SIZE
-from compression.policy import plan_tiers, threshold_bytes
 from compression.scoring import POLICIES, LayerEntries, ScorePolicy
+from compression.tiers import plan_tiers, threshold_bytes
 from tests.helpers import greedy, make_engine, tiny_model
 
 FULL, KEY_ONLY = 10, 6  # bytes of an entry at each tier in these plans

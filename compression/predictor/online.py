@@ -1,7 +1,7 @@
 """The predictor at serving time: predicted future attention for every held entry, in one batch.
 
 Each entry of the live cache keeps its last `observation_steps` observations (the KV store's
-`observed`, filled by the compression engine) and its key norm (taken when written); from those,
+`observed`, filled by the compressor) and its key norm (taken when written); from those,
 the entry's decayed score, position and token confidence, the same features as in the traces are
 built for every layer of every sequence due for compression, and the LSTM runs once over all of
 them.

@@ -13,9 +13,9 @@ spends what is left raising the best of them to their limit. So an entry is demo
 the budget or its own confidence needs, and the lowest-ranked go first. Protected entries
 (attention sinks, the recent window) are always kept as they are.
 
-The compression engine asks the thresholds only what they would keep (`threshold_bytes`, the bytes
+The compressor asks the thresholds only what they would keep (`threshold_bytes`, the bytes
 of a plan under an unlimited budget); those bytes over all layers, shared equally among the layers,
-become the budget of plans without them (`CompressionEngine._judge`).
+become the budget of plans without them (`Compressor._judge`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The compression engine: between decode steps it scores, tiers and compacts running sequences.
+"""The compressor: between decode steps it scores, tiers and compacts running sequences.
 
 It plugs into the serving engine at three points: `prepare()` marks which sequences need their
 attention observed in the coming forward pass (end of prefill, then every `score_interval` decode
@@ -21,11 +21,11 @@ import torch
 
 from compression.config import CompressionParams
 from compression.kv_store import Keep, KVStore, LayerKV
-from compression.policy import plan_tiers, threshold_bytes
 from compression.predictor.calibration import Calibration, Source
 from compression.predictor.misses import Dropped
 from compression.predictor.online import Forecast, FutureValue, PredictionJob
 from compression.scoring import LayerEntries, ScorePolicy
+from compression.tiers import plan_tiers, threshold_bytes
 
 
 class _Budget(NamedTuple):
@@ -50,7 +50,7 @@ class _Judged(NamedTuple):
 
 
 class TrackedSequence(Protocol):
-    """What the compression engine reads of a sequence."""
+    """What the compressor reads of a sequence."""
 
     seq_id: int
     num_computed: int  # tokens whose KV has been computed
@@ -58,7 +58,7 @@ class TrackedSequence(Protocol):
 
 
 class MarkedChunk(Protocol):
-    """What the compression engine reads and marks of a chunk scheduled for the forward pass."""
+    """What the compressor reads and marks of a chunk scheduled for the forward pass."""
 
     seq_id: int
     token_ids: list[int]  # the chunk's tokens (one for a decode step)
@@ -145,7 +145,7 @@ class CompressionHooks:
     sampled: list[Callable[[dict[int, float]], None]] = field(default_factory=list)
 
 
-class CompressionEngine:
+class Compressor:
     def __init__(
         self,
         store: KVStore,
