@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; the server needs a restart."""
+    """A request refused because the engine loop has stopped; the server needs a restart. (Requests
+    in flight when it stops get a final output with the error instead.)"""
 
 
 @dataclass
@@ -115,8 +116,8 @@ class AsyncEngine:
         except BaseException as exc:  # the loop must never die silently
             log.exception("engine loop crashed")
             self.error = exc
-            for loop, stream in list(self._streams.values()):
-                _send(loop, stream, EngineDeadError(f"engine loop crashed: {exc!r}"))
+            for request_id, (loop, stream) in list(self._streams.items()):
+                _send(loop, stream, self._lost(request_id, f"engine loop crashed: {exc!r}; restart the server"))
             self._streams.clear()
 
     def _drain_inbox(self, block: bool) -> None:
@@ -141,6 +142,12 @@ class AsyncEngine:
         except Exception as exc:  # a bad request fails alone
             self._streams.pop(cmd.request_id, None)
             _send(cmd.loop, cmd.stream, exc)
+
+    def _lost(self, request_id: str, error: str) -> RequestOutput:
+        """The final output of a request in flight when the loop stopped: it failed, with what it had."""
+        seq = self.llm_engine.outputs.requests.get(request_id)
+        prompt, completion = (seq.num_prompt_tokens, len(seq.output_token_ids)) if seq is not None else (0, 0)
+        return RequestOutput(request_id, [], "", True, "error", prompt, completion, error=error)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

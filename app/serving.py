@@ -13,7 +13,7 @@ from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 from transformers import PreTrainedTokenizerBase
 
-from app.async_engine import AsyncEngine
+from app.async_engine import AsyncEngine, EngineDeadError
 from app.metrics import Metrics
 from app.outputs import RequestOutput
 from app.schemas import CompressionMetricsModel, GenerateRequest, GenerateResponse, StreamChunk, Usage
@@ -205,6 +205,7 @@ class GenerateService:
         """The request's outputs as the engine makes them; closing the iterator aborts the request."""
         first: float | None = None
         last: RequestOutput | None = None
+        refused = False  # by a stopped engine: the error handler answers and counts it
         try:
             async for out in self.engine.generate(
                 prepared.prompt_token_ids, prepared.params, prepared.request_id, prepared.compression
@@ -215,18 +216,22 @@ class GenerateService:
                 yield out
         except ValueError as exc:
             raise APIError(400, "invalid_request", str(exc)) from exc
+        except EngineDeadError:
+            refused = True
+            raise
         finally:
             self.release(prepared)
             status = (last.finish_reason if last and last.finished else "abort") or "abort"
-            self.metrics.observe_request(
-                status,
-                len(prepared.prompt_token_ids),
-                last.completion_tokens if last else 0,
-                time.monotonic() - prepared.arrival,
-                None if first is None else first - prepared.arrival,
-                compression=last.compression_metrics if last and last.finished else None,
-                audited=prepared.compression.stats,
-            )
+            if not refused:
+                self.metrics.observe_request(
+                    status,
+                    len(prepared.prompt_token_ids),
+                    last.completion_tokens if last else 0,
+                    time.monotonic() - prepared.arrival,
+                    None if first is None else first - prepared.arrival,
+                    compression=last.compression_metrics if last and last.finished else None,
+                    audited=prepared.compression.stats,
+                )
 
     # ----- internals ---------------------------------------------------------------------
     async def _collect(self, prepared: PreparedRequest) -> list[RequestOutput]:

@@ -43,14 +43,20 @@ def test_an_engine_loop_crash_is_reported_by_health_ready_requests_and_metrics(t
             raise RuntimeError("injected loop fault")
 
         client.app.state.engine.llm_engine.step = crash
-        failed = client.post("/generate", json=body)
-        assert failed.status_code == 503 and failed.json()["error"]["type"] == "engine_unavailable"
-        assert "restart" in failed.json()["error"]["message"]
+        lost = client.post("/generate", json=body)  # in flight as the loop dies: it failed, once
+        assert lost.status_code == 500 and lost.json()["error"]["type"] == "engine_error"
+        assert "injected loop fault" in lost.json()["error"]["message"] and "restart" in lost.json()["error"]["message"]
+        refused = client.post("/generate", json=body)  # after: refused, the engine is down
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "engine_unavailable"
+        assert "restart" in refused.json()["error"]["message"]
         health = client.get("/health")
         assert health.status_code == 503 and "injected loop fault" in health.json()["error"]
         assert client.get("/ready").status_code == 503
         assert client.post("/generate", json=body).status_code == 503  # and it stays down, clearly
+        # Each counted once, as what it was: the lost one an engine error, the refused ones 503s.
+        assert metric(client, 'requests_total{status="error"}') == 1
         assert metric(client, 'requests_total{status="503"}') == 2
+        assert 'requests_total{status="abort"}' not in client.get("/metrics").text
         stopped = metric(client, "engine_loop_heartbeat_timestamp_seconds")
         time.sleep(0.7)
         assert metric(client, "engine_loop_heartbeat_timestamp_seconds") == stopped  # EngineLoopStalled will fire
