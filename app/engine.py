@@ -47,7 +47,6 @@ class StepStats:
     num_seqs: int
     num_tokens: int
     num_preempted: int
-    finished: list[Sequence]
     compression_s: float = 0.0
     queue_s: list[float] = field(default_factory=list)  # waits of the sequences admitted in this step
     num_out_of_memory: int = 0  # requests failed for want of KV memory (too big, or an OOM in the forward)
@@ -182,13 +181,12 @@ class LLMEngine:
             logits, failed = self._run(sched)
             out_of_memory += failed
             compression_s = self._postprocess(sched, logits)
-        outputs, finished = self.outputs.drain()
+        outputs = self.outputs.drain()
         self.last_step = StepStats(
             time.perf_counter() - started,
             len(sched.chunks),
             sched.num_tokens,
             len(sched.preempted),
-            finished,
             compression_s,
             [seq.first_scheduled_time - seq.arrival_time for seq in sched.admitted],
             out_of_memory,

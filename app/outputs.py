@@ -31,8 +31,7 @@ class RequestOutput:
 
 
 class Outputs:
-    """The requests in flight, and the outputs made for them (and the sequences finished) since the
-    last `drain()`, in the order they were made."""
+    """The requests in flight, and the outputs made for them since the last `drain()`, in order."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -40,7 +39,6 @@ class Outputs:
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
         self._last_token: dict[int, tuple[list[int], list[TokenLogprob]]] = {}  # sent with the final output
         self._outputs: list[RequestOutput] = []
-        self._finished: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq
@@ -58,17 +56,15 @@ class Outputs:
         """The token that ends a sequence: it goes out with the final output as the sequence finishes."""
         self._last_token[seq.seq_id] = ([token], logprobs)
 
-    def drain(self) -> tuple[list[RequestOutput], list[Sequence]]:
-        """The outputs made and the sequences finished since the last call."""
-        drained = self._outputs, self._finished
-        self._outputs, self._finished = [], []
+    def drain(self) -> list[RequestOutput]:
+        """The outputs made since the last call."""
+        drained, self._outputs = self._outputs, []
         return drained
 
     # ----- as a scheduler listener -------------------------------------------------------
     def finished(self, seq: Sequence) -> None:
         tokens, logprobs = self._last_token.pop(seq.seq_id, ([], []))
         self._outputs.append(self._output(seq, tokens, logprobs, final=True))
-        self._finished.append(seq)
         del self.detokenizers[seq.seq_id]
         del self.requests[seq.request_id]
 

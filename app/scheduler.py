@@ -109,7 +109,7 @@ class Scheduler:
                 self.store.reserve(seq.seq_id, n)
             except KVBudgetExceeded:
                 self.store.free(seq.seq_id, preempted=True)
-                seq.num_computed = 0
+                seq.restart()
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -195,5 +195,5 @@ class Scheduler:
         for listener in self.listeners:
             listener.preempted(seq)
         self.store.free(seq.seq_id, preempted=True)
-        seq.num_computed = 0
+        seq.restart()
         self.waiting.appendleft(seq)

@@ -76,6 +76,12 @@ class Sequence:
         else:
             self.generator.manual_seed(self.params.seed)
 
+    def restart(self) -> None:
+        """Its KV is gone (preempted, or a prefix copy it could not keep): compute it again from the start."""
+        self.num_computed = 0
+        self.num_cached_tokens = 0
+        self.prefix_parked = None
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
