@@ -147,7 +147,7 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.finish(seq, FinishReason.ABORT)
-        outputs, _ = self.outputs.drain()  # between steps, only the abort's own
+        outputs = self.outputs.drain()  # between steps, only the abort's own
         return outputs[-1]
 
     def has_unfinished(self) -> bool:
