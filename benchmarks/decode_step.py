@@ -28,10 +28,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import commit_of, save_report  # noqa: E402
+from benchmarks.report import RESULTS, commit_of, save_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 RATE_ONLY = {"policy_options": {"dynamic": {"thresholds_decide": False}}}
 SETUPS = {  # label -> request (dynamic's thresholds decide under the rate's ceiling unless turned off)
     "compression off": {"policy": "none", "compression_rate": 0.0},

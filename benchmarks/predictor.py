@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import commit_of, save_report  # noqa: E402
+from benchmarks.report import RESULTS, commit_of, save_report  # noqa: E402
 from benchmarks.serving import measure_overhead, overhead_table  # noqa: E402
 from compression.config import CompressionConfig  # noqa: E402
 from compression.predictor.calibrate import outcomes, relative_values  # noqa: E402
@@ -43,7 +43,6 @@ from compression.predictor.train import load_traces  # noqa: E402
 from compression.scoring import LayerEntries, make_policy  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 LATEST = -1  # the window's newest observation
 
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from benchmarks.chat import ask  # noqa: E402
-from benchmarks.report import commit_of, save_report  # noqa: E402
+from benchmarks.report import RESULTS, commit_of, save_report  # noqa: E402
 from benchmarks.tasks import NeedleCase, needle_cases  # noqa: E402
 from compression.config import CompressionConfig, resolve  # noqa: E402
 from compression.predictor.online import load_future_value, predictor_path  # noqa: E402
@@ -42,7 +42,6 @@ from models.default_model import default_model_path  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 DECOY = "What is this text about? Answer in one sentence."
 MAX_TOKENS = 16

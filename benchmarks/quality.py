@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from app.sequence import SamplingParams  # noqa: E402
 from benchmarks.corpus import text_of_tokens  # noqa: E402
-from benchmarks.report import commit_of, save_report  # noqa: E402
+from benchmarks.report import RESULTS, commit_of, save_report  # noqa: E402
 from benchmarks.tasks import fidelity_cases, needle_cases  # noqa: E402
 from compression.config import CompressionConfig, resolve  # noqa: E402
 from compression.library import DynamicKVCompressor  # noqa: E402
@@ -59,7 +59,6 @@ from compression.predictor.online import FutureValue, load_future_value, predict
 from models.default_model import default_model_path  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 PEERS_RUNNER = Path(__file__).resolve().parent / "peers" / "kvpress_runner.py"
 POLICIES = ("dynamic", "tova", "snapkv", "h2o", "knorm", "streaming_llm", "random")

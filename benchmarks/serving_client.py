@@ -33,11 +33,10 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import commit_of, save_report  # noqa: E402
+from benchmarks.report import RESULTS, commit_of, save_report  # noqa: E402
 from load_tests.run import served  # noqa: E402
 from models.loader import KVShape  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 GENERATE_BATCH = "transformers generate_batch"
 
 
