@@ -32,16 +32,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.engine import load_with_predictor  # noqa: E402
 from benchmarks.report import RESULTS, commit_of, save_report  # noqa: E402
 from benchmarks.serving import measure_overhead, overhead_table  # noqa: E402
 from compression.config import CompressionConfig  # noqa: E402
 from compression.predictor.calibrate import outcomes, relative_values  # noqa: E402
 from compression.predictor.calibration import reliability  # noqa: E402
 from compression.predictor.features import FEATURES, unscaled_attention  # noqa: E402
-from compression.predictor.online import load_future_value, load_retention, predictor_path  # noqa: E402
+from compression.predictor.online import load_retention, predictor_path  # noqa: E402
 from compression.predictor.train import load_traces  # noqa: E402
 from compression.scoring import LayerEntries, make_policy  # noqa: E402
-from models.loader import load_model  # noqa: E402
 
 LATEST = -1  # the window's newest observation
 
@@ -193,9 +193,8 @@ def main() -> None:
     args = parser.parse_args()
     commit = commit_of()  # the code measured, before anything can change it
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model_path, torch.device("cpu"))
     path = args.predictor or predictor_path(args.model_path)
-    future_value = load_future_value(path, model.config, torch.device("cpu"), CompressionConfig().score_interval)
+    model, tokenizer, future_value = load_with_predictor(args.model_path, path)
     if future_value is None:
         raise SystemExit(f"no predictor at {path}: train one first (make train-predictor)")
     traces = load_traces(args.traces, held_out=True)

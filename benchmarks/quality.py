@@ -51,13 +51,13 @@ sys.path.insert(0, str(ROOT))
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from app.sequence import SamplingParams  # noqa: E402
 from benchmarks.corpus import text_of_tokens  # noqa: E402
+from benchmarks.engine import load_with_predictor  # noqa: E402
 from benchmarks.report import RESULTS, commit_of, save_report  # noqa: E402
 from benchmarks.tasks import fidelity_cases, needle_cases  # noqa: E402
 from compression.config import CompressionConfig, resolve  # noqa: E402
 from compression.library import DynamicKVCompressor  # noqa: E402
-from compression.predictor.online import FutureValue, load_future_value, predictor_path  # noqa: E402
+from compression.predictor.online import FutureValue  # noqa: E402
 from models.default_model import default_model_path  # noqa: E402
-from models.loader import load_model  # noqa: E402
 
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 PEERS_RUNNER = Path(__file__).resolve().parent / "peers" / "kvpress_runner.py"
@@ -404,9 +404,7 @@ def main() -> None:
     peers_threads = max(1, args.threads // 2) if args.peers else 0
     torch.set_num_threads(max(1, args.threads - peers_threads))
 
-    model, tokenizer = load_model(args.model_path, torch.device("cpu"))
-    interval = CompressionConfig().score_interval
-    future_value = load_future_value(predictor_path(args.model_path), model.config, torch.device("cpu"), interval)
+    model, tokenizer, future_value = load_with_predictor(args.model_path)
     tasks = build_tasks(tokenizer, args.needles, args.summaries, args.perplexity_tokens, args.answer_tokens)
 
     with peers_alongside(args, tasks, peers_threads) if args.peers else contextlib.nullcontext() as peers:

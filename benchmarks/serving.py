@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from app.sequence import SamplingParams  # noqa: E402
 from benchmarks.corpus import text_of_tokens  # noqa: E402
+from benchmarks.engine import advance, decoding_engine, is_pure_decode, load_with_predictor  # noqa: E402
 from benchmarks.report import RESULTS, save_report  # noqa: E402
-from compression.config import CompressionConfig, resolve  # noqa: E402
-from compression.predictor.online import FutureValue, load_future_value, predictor_path  # noqa: E402
+from compression.predictor.online import FutureValue  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
 
@@ -125,30 +125,19 @@ def measure_overhead(
     the compressor (scoring, prediction, tiering, compaction), i.e. not counting the
     attention's own work on the int8/KEY_ONLY tiers, which shows in the step-time ratio.
     """
-    prompts = [text_of_tokens(tokenizer, prompt_tokens, offset=11 * i) for i in range(num_seqs)]
     modes = {"compression off": ("none", None), f"dynamic {rate}": ("dynamic", None)}
     if future_value is not None:
         modes[f"dynamic {rate} + value predictor"] = ("dynamic", future_value)
     result = {}
     for label, (policy, predictor) in modes.items():
-        config = CompressionConfig()
-        engine = LLMEngine(
-            model,
-            tokenizer,
-            EngineConfig(max_cache_bytes=2**34, max_num_seqs=num_seqs, max_num_batched_tokens=2048),
-            config,
-            predictor,
-        )
-        params = resolve(config, {"policy": policy, "compression_rate": rate}, True, False)
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True), params)
+        request = {"policy": policy, "compression_rate": rate}
+        engine = decoding_engine(model, tokenizer, predictor, request, num_seqs, prompt_tokens, max_new)
         steps, shares = [], []
         with torch.inference_mode(), tqdm(total=num_seqs * max_new, desc=f"overhead: {label}", leave=False) as bar:
             while engine.has_unfinished():
-                outputs = engine.step()
-                bar.update(sum(len(o.new_token_ids) for o in outputs))
+                advance(engine, bar)
                 stats = engine.last_step
-                if stats.num_seqs == num_seqs and stats.num_tokens == num_seqs:  # pure decode steps
+                if is_pure_decode(stats, num_seqs):
                     steps.append(stats.duration_s)
                     shares.append(stats.compression_s / stats.duration_s)
         result[label] = {
@@ -194,9 +183,7 @@ def main() -> None:
         args.prompt_tokens, args.max_new_tokens, args.concurrency = 128, 32, [1, 4]
         args.overhead_seqs, args.overhead_prompt_tokens = 4, 512
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model_path, torch.device("cpu"))
-    interval = CompressionConfig().score_interval
-    future_value = load_future_value(predictor_path(args.model_path), model.config, torch.device("cpu"), interval)
+    model, tokenizer, future_value = load_with_predictor(args.model_path)
     overhead = measure_overhead(model, tokenizer, args.overhead_seqs, args.overhead_prompt_tokens, 48, future_value)
     overhead_md = overhead_table(overhead, args.overhead_seqs, args.overhead_prompt_tokens, args.threads)
     save_report(args.out.with_name(args.out.name + "_overhead"), "Compression overhead", overhead_md, overhead)
