@@ -22,13 +22,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import RESULTS, commit_of, save_report  # noqa: E402
+
+if TYPE_CHECKING:  # not imported here: `measure` imports the engine from the code it measures
+    from app.engine import LLMEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 RATE_ONLY = {"policy_options": {"dynamic": {"thresholds_decide": False}}}
@@ -42,74 +47,65 @@ SETUPS = {  # label -> request (dynamic's thresholds decide under the rate's cei
 MATMULS = {"aten::mm", "aten::addmm", "aten::bmm"}
 
 
+@dataclass
+class DecodeSteps:
+    """One setup's pure decode steps (every sequence one token): their durations and the KV held."""
+
+    durations: list[float] = field(default_factory=list)
+    compression: list[float] = field(default_factory=list)  # seconds of each spent in the compressor
+    kv_bytes: list[int] = field(default_factory=list)
+
+    def record(self, engine: LLMEngine) -> None:
+        """The engine's last step, and the KV it holds after it."""
+        self.durations.append(engine.last_step.duration_s)
+        self.compression.append(engine.last_step.compression_s)
+        self.kv_bytes.append(engine.compression.store.used_bytes)
+
+    def figures(self) -> dict:
+        return {
+            "median_step_ms": 1000 * statistics.median(self.durations),
+            "median_compression_ms": 1000 * statistics.median(self.compression),
+            "mean_compression_ms": 1000 * statistics.mean(self.compression),
+            "median_kv_mib": statistics.median(self.kv_bytes) / 2**20,
+            "decode_steps": len(self.durations),
+        }
+
+
 def measure(
     code_root: Path, setups: list[str], seqs: int, prompt_tokens: int, steps: int, threads: int, profile: bool
 ) -> dict:
     """Run the setups on the code at `code_root` (imported from there), their decode steps taking
     turns one step at a time, so that drift on this machine hits every setup alike; return their figures."""
     sys.path.insert(0, str(code_root))
-    sys.path.insert(1, str(ROOT))  # the corpus helpers, whatever the revision
+    sys.path.insert(1, str(ROOT))  # the benchmark helpers, whatever the revision
     import torch
-    from tqdm import tqdm
 
-    from app.engine import EngineConfig, LLMEngine
-    from app.sequence import SamplingParams
-    from benchmarks.corpus import text_of_tokens
-    from compression.config import CompressionConfig, resolve
-    from compression.predictor.online import load_future_value, predictor_path
-    from models.loader import load_model
+    # Only now, so that the engine, compression and the model loader they use come from `code_root`.
+    from benchmarks.engine import advance, decoding_engine, is_pure_decode, load_with_predictor
 
     torch.set_num_threads(threads)
-    model, tokenizer = load_model(None, torch.device("cpu"))
-    config = CompressionConfig()
-    future_value = load_future_value(predictor_path(None), model.config, torch.device("cpu"), config.score_interval)
-    engines = {}
-    for setup in setups:  # one engine each, sharing the model
-        engine = LLMEngine(
-            model,
-            tokenizer,
-            EngineConfig(max_cache_bytes=2**34, max_num_seqs=seqs, max_num_batched_tokens=2048),
-            config,
-            future_value,
-        )
-        params = resolve(config, SETUPS[setup], True, False)
-        for i in range(seqs):
-            prompt = text_of_tokens(tokenizer, prompt_tokens, offset=11 * i)
-            sampling = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-            engine.add_request(str(i), prompt, sampling, params)
-        engines[setup] = engine
-    durations = {setup: [] for setup in setups}
-    compression = {setup: [] for setup in setups}
-    kv_bytes = {setup: [] for setup in setups}
+    model, tokenizer, future_value = load_with_predictor(None)
+    engines = {  # one engine each, sharing the model
+        setup: decoding_engine(model, tokenizer, future_value, SETUPS[setup], seqs, prompt_tokens, steps)
+        for setup in setups
+    }
+    decoded = {setup: DecodeSteps() for setup in setups}
     with torch.inference_mode(), tqdm(total=len(setups) * seqs * steps, desc=code_root.name, leave=False) as bar:
         for engine in engines.values():  # prefill each, up to its first pure decode step
             while engine.last_step is None or engine.last_step.num_tokens != seqs:
-                bar.update(sum(len(o.new_token_ids) for o in engine.step()))
+                advance(engine, bar)
         while any(engine.has_unfinished() for engine in engines.values()):
             for setup, engine in engines.items():
-                if profile and len(durations[setup]) == steps // 2:
-                    return {"python_share": python_share(engine, torch)}
-                if not engine.has_unfinished():
-                    continue
-                bar.update(sum(len(o.new_token_ids) for o in engine.step()))
-                stats = engine.last_step
-                if stats.num_seqs == seqs and stats.num_tokens == seqs:  # pure decode steps
-                    durations[setup].append(stats.duration_s)
-                    compression[setup].append(stats.compression_s)
-                    kv_bytes[setup].append(engine.compression.store.used_bytes)
-    return {
-        setup: {
-            "median_step_ms": 1000 * statistics.median(durations[setup]),
-            "median_compression_ms": 1000 * statistics.median(compression[setup]),
-            "mean_compression_ms": 1000 * statistics.mean(compression[setup]),
-            "median_kv_mib": statistics.median(kv_bytes[setup]) / 2**20,
-            "decode_steps": len(durations[setup]),
-        }
-        for setup in setups
-    }
+                if profile and len(decoded[setup].durations) == steps // 2:
+                    return {"python_share": python_share(engine)}
+                if engine.has_unfinished():
+                    advance(engine, bar)
+                    if is_pure_decode(engine.last_step, seqs):
+                        decoded[setup].record(engine)
+    return {setup: run.figures() for setup, run in decoded.items()}
 
 
-def python_share(engine, torch, steps: int = 4) -> dict:
+def python_share(engine: LLMEngine, steps: int = 4) -> dict:
     """Profile a few decode steps: the share of their wall time spent outside torch operators and
     the decode kernel, i.e. in Python, dispatch and bookkeeping."""
     from torch.profiler import ProfilerActivity, profile, record_function
