@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from app.sequence import SamplingParams  # noqa: E402
 from benchmarks.corpus import text_of_tokens  # noqa: E402
-from benchmarks.engine import advance, decoding_engine, is_pure_decode, load_with_predictor  # noqa: E402
+from benchmarks.engine import CPU, advance, decoding_engine, is_pure_decode, load_with_predictor  # noqa: E402
 from benchmarks.report import RESULTS, save_report  # noqa: E402
 from compression.predictor.online import FutureValue  # noqa: E402
 from models.loader import load_model  # noqa: E402
@@ -159,6 +159,20 @@ SYSTEMS = {
 
 
 def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    run_overhead(args)
+    if args.overhead_only:
+        return
+    runs: list[Run] = []
+    plan = [(name, c) for c in args.concurrency for name in SYSTEMS if not (name.endswith("(sequential)") and c > 1)]
+    for name, concurrency in tqdm(plan, desc="serving benchmark", unit="run"):
+        runs.append(run_system(name, concurrency, args))
+        gc.collect()  # the run's model, before the next one loads
+    report(runs, args)
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", type=Path, default=None)
     parser.add_argument("--prompt-tokens", type=int, default=512)
@@ -182,43 +196,33 @@ def main() -> None:
     if args.quick:
         args.prompt_tokens, args.max_new_tokens, args.concurrency = 128, 32, [1, 4]
         args.overhead_seqs, args.overhead_prompt_tokens = 4, 512
-    torch.set_num_threads(args.threads)
+    return args
+
+
+def run_overhead(args: argparse.Namespace) -> None:
+    """The compression overhead experiment, saved beside the serving figures (OUT_overhead)."""
     model, tokenizer, future_value = load_with_predictor(args.model_path)
     overhead = measure_overhead(model, tokenizer, args.overhead_seqs, args.overhead_prompt_tokens, 48, future_value)
     overhead_md = overhead_table(overhead, args.overhead_seqs, args.overhead_prompt_tokens, args.threads)
     save_report(args.out.with_name(args.out.name + "_overhead"), "Compression overhead", overhead_md, overhead)
-    if args.overhead_only:
-        return
-    del model
 
-    runs: list[Run] = []
-    plan = [(name, c) for c in args.concurrency for name in SYSTEMS if not (name.endswith("(sequential)") and c > 1)]
-    for name, concurrency in tqdm(plan, desc="serving benchmark", unit="run"):
-        # A fresh model per run: generate_batch switches the model to its own paged attention.
-        model, tokenizer = load_model(args.model_path, torch.device("cpu"))
-        n = args.sequential_requests if name.endswith("(sequential)") else concurrency
-        prompts = [text_of_tokens(tokenizer, args.prompt_tokens, offset=7 * i) for i in range(n)]
-        SYSTEMS[name](model, tokenizer, prompts[:1], 2, args.max_num_batched_tokens)  # warm-up
-        wall, ttft, tpot = SYSTEMS[name](model, tokenizer, prompts, args.max_new_tokens, args.max_num_batched_tokens)
-        runs.append(
-            Run(
-                name,
-                concurrency,
-                n,
-                n * args.max_new_tokens,
-                wall,
-                1000 * statistics.median(tpot),
-                statistics.median(ttft),
-            )
-        )
-        tqdm.write(
-            f"{name:38s} c={concurrency:<3d} {runs[-1].tokens_per_s:7.1f} tok/s  "
-            f"TPOT {runs[-1].median_tpot_ms:6.1f} ms  TTFT {runs[-1].median_ttft_s:6.2f} s"
-        )
-        del model
-        gc.collect()
 
-    report(runs, args)
+def run_system(name: str, concurrency: int, args: argparse.Namespace) -> Run:
+    """One system serving `concurrency` requests at once, after a one-request warm-up; plain generate
+    serves its `--sequential-requests` one at a time."""
+    # A fresh model per run: generate_batch switches the model to its own paged attention.
+    model, tokenizer = load_model(args.model_path, CPU)
+    n = args.sequential_requests if name.endswith("(sequential)") else concurrency
+    prompts = [text_of_tokens(tokenizer, args.prompt_tokens, offset=7 * i) for i in range(n)]
+    SYSTEMS[name](model, tokenizer, prompts[:1], 2, args.max_num_batched_tokens)  # warm-up
+    wall, ttft, tpot = SYSTEMS[name](model, tokenizer, prompts, args.max_new_tokens, args.max_num_batched_tokens)
+    tpot_ms, ttft_s = 1000 * statistics.median(tpot), statistics.median(ttft)
+    run = Run(name, concurrency, n, n * args.max_new_tokens, wall, tpot_ms, ttft_s)
+    tqdm.write(
+        f"{name:38s} c={concurrency:<3d} {run.tokens_per_s:7.1f} tok/s  "
+        f"TPOT {run.median_tpot_ms:6.1f} ms  TTFT {run.median_ttft_s:6.2f} s"
+    )
+    return run
 
 
 def overhead_table(overhead: dict, seqs: int, prompt_tokens: int, threads: int) -> str:
