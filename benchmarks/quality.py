@@ -350,6 +350,23 @@ def _peer_label(press: str) -> str:
 
 
 def main() -> None:
+    args = parse_args()
+    # With kvpress alongside, each side gets half the threads: the two run at the same time.
+    peers_threads = max(1, args.threads // 2) if args.peers else 0
+    torch.set_num_threads(max(1, args.threads - peers_threads))
+
+    model, tokenizer, future_value = load_with_predictor(args.model_path)
+    tasks = build_tasks(tokenizer, args.needles, args.summaries, args.perplexity_tokens, args.answer_tokens)
+
+    with peers_alongside(args, tasks, peers_threads) if args.peers else contextlib.nullcontext() as peers:
+        rows = load_rows(args.ours_from) if args.ours_from else run_ours(args, model, tokenizer, tasks, future_value)
+        runs = peers() if peers else read_peers(args.peers_from) if args.peers_from else []
+    rows += peer_rows(runs, tasks)
+    report(rows, args, tasks)
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line, with `commit`: the code measured, taken before anything can change it."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", type=Path, default=None)
     parser.add_argument("--needles", type=int, default=9, help="split evenly over 1k, 2k and 3k tokens")
@@ -396,22 +413,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS / "quality")
     args = parser.parse_args()
-    args.commit = commit_of()  # the code measured, before anything can change it
+    args.commit = commit_of()
     if args.quick:
         args.needles, args.summaries, args.perplexity_tokens, args.rates = 3, 2, PPL_FORCED + 256, [0.6]
         args.presses = args.presses or ["SnapKV", "ExpectedAttention"]
-    # With kvpress alongside, each side gets half the threads: the two run at the same time.
-    peers_threads = max(1, args.threads // 2) if args.peers else 0
-    torch.set_num_threads(max(1, args.threads - peers_threads))
-
-    model, tokenizer, future_value = load_with_predictor(args.model_path)
-    tasks = build_tasks(tokenizer, args.needles, args.summaries, args.perplexity_tokens, args.answer_tokens)
-
-    with peers_alongside(args, tasks, peers_threads) if args.peers else contextlib.nullcontext() as peers:
-        rows = load_rows(args.ours_from) if args.ours_from else run_ours(args, model, tokenizer, tasks, future_value)
-        runs = peers() if peers else read_peers(args.peers_from) if args.peers_from else []
-    rows += peer_rows(runs, tasks)
-    report(rows, args, tasks)
+    return args
 
 
 def run_ours(args, model, tokenizer, tasks: Tasks, future_value: FutureValue | None) -> list[Row]:
