@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from benchmarks.chat import ask  # noqa: E402
 from benchmarks.corpus import paragraphs  # noqa: E402
-from benchmarks.report import RESULTS, commit_of, save_report  # noqa: E402
+from benchmarks.report import RESULTS, commit_of, pyplot, save_report  # noqa: E402
 from compression.config import CompressionConfig, resolve  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
@@ -113,11 +113,7 @@ def report(results: dict, args) -> None:
 
 
 def plot(rows: list[tuple], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     turns = [r[0] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
     width = 0.38

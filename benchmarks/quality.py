@@ -52,7 +52,7 @@ from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from app.sequence import SamplingParams  # noqa: E402
 from benchmarks.corpus import text_of_tokens  # noqa: E402
 from benchmarks.engine import load_with_predictor  # noqa: E402
-from benchmarks.report import RESULTS, commit_of, save_report  # noqa: E402
+from benchmarks.report import RESULTS, commit_of, pyplot, save_report  # noqa: E402
 from benchmarks.tasks import fidelity_cases, needle_cases  # noqa: E402
 from compression.config import CompressionConfig, resolve  # noqa: E402
 from compression.library import DynamicKVCompressor  # noqa: E402
@@ -611,11 +611,7 @@ def _interpolate(fixed: list[Row], memory: float, attr: str) -> float | None:
 
 def plot_memory_by_case(rows: list[Row], path: Path) -> None:
     """Memory follows content: each request's memory kept, per thresholds setup and fixed rate."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     shown = [r for r in rows if r.setup.thresholds or r.setup.label == RATE_ONLY]
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(shown) + 1.5))
     for i, r in enumerate(shown):
@@ -658,11 +654,7 @@ def _memory(row: Row, attr: str) -> float:
 
 
 def plot(rows: list[Row], key: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     title, header, attr, higher = TASKS[key]
     fig, ax = plt.subplots(figsize=(8, 5))
     for label in dict.fromkeys(r.setup.label for r in rows if attr not in FORCED or r.setup.source == "ours"):

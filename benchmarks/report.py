@@ -21,6 +21,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -85,6 +86,16 @@ def save_report(
     settings = {"args": {k: _text(v) for k, v in vars(args).items() if k != "out"}} if args is not None else {}
     record = {"provenance": asdict(provenance or Provenance.capture()), **settings, **data}
     out.with_suffix(".json").write_text(json.dumps(record, indent=2))
+
+
+def pyplot() -> ModuleType:
+    """matplotlib's pyplot, drawing to files only; imported when a benchmark plots, not before."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def commit_of(rev: str = "HEAD") -> str:

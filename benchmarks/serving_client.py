@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import RESULTS, commit_of, save_report  # noqa: E402
+from benchmarks.report import RESULTS, commit_of, pyplot, save_report  # noqa: E402
 from load_tests.run import served  # noqa: E402
 from models.loader import KVShape  # noqa: E402
 
@@ -339,11 +339,7 @@ def report(summaries: dict, runs: dict, args, setup: str, agreement: dict | None
 
 
 def plot(runs: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for name, run in runs.items():
         t = [s["t"] for s in run["samples"]]
