@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import RESULTS, commit_of, save_report  # noqa: E402
+from benchmarks.report import RESULTS, Provenance, commit_of, save_report  # noqa: E402
 
 if TYPE_CHECKING:  # not imported here: `measure` imports the engine from the code it measures
     from app.engine import LLMEngine
@@ -181,7 +181,8 @@ def main() -> None:
         )
         print(json.dumps(result))
         return
-    commit = commit_of()  # the code measured, before anything can change it
+    provenance = Provenance.capture()  # the code measured, before anything can change it
+    commit = provenance.commit
     trees = {"this tree": ROOT}
     with tempfile.TemporaryDirectory() as tmp:
         if args.baseline:
@@ -200,7 +201,7 @@ def main() -> None:
             if args.baseline:
                 subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=ROOT, check=True)
     data = {"commit": commit, "results": results, "profiles": profiles}
-    save_report(args.out, "Decode step at the same batch", table(data, args), data, args)
+    save_report(args.out, "Decode step at the same batch", table(data, args), data, args, provenance)
 
 
 def table(data: dict, args: argparse.Namespace) -> str:

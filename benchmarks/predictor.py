@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.engine import load_with_predictor  # noqa: E402
-from benchmarks.report import RESULTS, commit_of, save_report  # noqa: E402
+from benchmarks.report import RESULTS, Provenance, save_report  # noqa: E402
 from benchmarks.serving import measure_overhead, overhead_table  # noqa: E402
 from compression.config import CompressionConfig  # noqa: E402
 from compression.predictor.calibrate import outcomes, relative_values  # noqa: E402
@@ -191,7 +191,8 @@ def main() -> None:
     parser.add_argument("--skip-cost", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS / "predictor")
     args = parser.parse_args()
-    commit = commit_of()  # the code measured, before anything can change it
+    provenance = Provenance.capture()  # the code measured, before anything can change it
+    commit = provenance.commit
     torch.set_num_threads(args.threads)
     path = args.predictor or predictor_path(args.model_path)
     model, tokenizer, future_value = load_with_predictor(args.model_path, path)
@@ -219,7 +220,7 @@ def main() -> None:
         sections.append(overhead_table(cost, args.overhead_seqs, args.overhead_prompt_tokens, args.threads))
         data["cost"] = cost
     sections.append(f"Commit {commit}.")
-    save_report(args.out, "Value predictor", "\n\n".join(sections), data, args)
+    save_report(args.out, "Value predictor", "\n\n".join(sections), data, args, provenance)
 
 
 if __name__ == "__main__":

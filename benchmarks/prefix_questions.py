@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from benchmarks.chat import ask  # noqa: E402
-from benchmarks.report import RESULTS, commit_of, save_report  # noqa: E402
+from benchmarks.report import RESULTS, Provenance, save_report  # noqa: E402
 from benchmarks.tasks import NeedleCase, needle_cases  # noqa: E402
 from compression.config import CompressionConfig, resolve  # noqa: E402
 from compression.predictor.online import load_future_value, predictor_path  # noqa: E402
@@ -94,7 +94,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.needles, args.rates = 3, [0.875]
-    commit = commit_of()  # the code measured, before anything can change it
+    provenance = Provenance.capture()  # the code measured, before anything can change it
+    commit = provenance.commit
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(None, torch.device("cpu"))
     config = CompressionConfig.load()
@@ -110,7 +111,7 @@ def main() -> None:
     data = {"commit": commit, "results": results}
     if args.peers:
         data["kvzip"] = kvzip(cases, args)
-    save_report(args.out, "A document asked two questions", table(data, args), data, args)
+    save_report(args.out, "A document asked two questions", table(data, args), data, args, provenance)
 
 
 def kvzip(cases: list[NeedleCase], args: argparse.Namespace) -> dict[str, list[dict]]:

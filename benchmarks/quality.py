@@ -52,7 +52,7 @@ from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from app.sequence import SamplingParams  # noqa: E402
 from benchmarks.corpus import text_of_tokens  # noqa: E402
 from benchmarks.engine import load_with_predictor  # noqa: E402
-from benchmarks.report import RESULTS, commit_of, pyplot, save_report  # noqa: E402
+from benchmarks.report import RESULTS, Provenance, pyplot, save_report  # noqa: E402
 from benchmarks.tasks import fidelity_cases, needle_cases  # noqa: E402
 from compression.config import CompressionConfig, resolve  # noqa: E402
 from compression.library import DynamicKVCompressor  # noqa: E402
@@ -366,7 +366,7 @@ def main() -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    """The command line, with `commit`: the code measured, taken before anything can change it."""
+    """The command line, with `provenance` and `commit`: the code measured, taken before anything can change it."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", type=Path, default=None)
     parser.add_argument("--needles", type=int, default=9, help="split evenly over 1k, 2k and 3k tokens")
@@ -413,7 +413,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS / "quality")
     args = parser.parse_args()
-    args.commit = commit_of()
+    args.provenance = Provenance.capture()
+    args.commit = args.provenance.commit
     if args.quick:
         args.needles, args.summaries, args.perplexity_tokens, args.rates = 3, 2, PPL_FORCED + 256, [0.6]
         args.presses = args.presses or ["SnapKV", "ExpectedAttention"]
@@ -543,7 +544,8 @@ def report(rows: list[Row], args, tasks: Tasks) -> None:
                 by = " | ".join(f"{r.needle_by_length[n]:.0%}" for n in lengths)
                 lines.append(f"| {r.setup.label} | {r.setup.rate or '-'} | {by} |")
     lines += thresholds_section(rows)
-    save_report(args.out, "Quality benchmark", "\n".join(lines), {"rows": [asdict(r) for r in rows]}, args)
+    rows_data = {"rows": [asdict(r) for r in rows]}
+    save_report(args.out, "Quality benchmark", "\n".join(lines), rows_data, args, getattr(args, "provenance", None))
     for key in TASKS:
         plot(rows, key, args.out.with_name(f"{args.out.name}_{key}.png"))
     if any(r.setup.thresholds for r in rows):

@@ -83,7 +83,8 @@ def save_report(
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(f"# {title}\n\n{table}\n")
     # Arguments as text, files by name only (a full path would name this machine's folders).
-    settings = {"args": {k: _text(v) for k, v in vars(args).items() if k != "out"}} if args is not None else {}
+    given = vars(args).items() if args is not None else ()
+    settings = {"args": {k: _text(v) for k, v in given if k not in ("out", "provenance")}} if given else {}
     record = {"provenance": asdict(provenance or Provenance.capture()), **settings, **data}
     out.with_suffix(".json").write_text(json.dumps(record, indent=2))
 
