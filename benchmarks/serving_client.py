@@ -76,9 +76,9 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reques
                         result.itl.append(now - last)
                     last = now
                     result.text += event["text"]
-                if event.get("finish_reason"):
-                    result.ok = event["finish_reason"] in ("stop", "length")
-                    result.error = event.get("error", "")
+                if reason := event.get("finish_reason"):
+                    result.ok = reason in ("stop", "length")
+                    result.error = "" if result.ok else event.get("error") or f"finished by {reason}"
                     result.output_tokens = event["usage"]["completion_tokens"]
         result.latency = time.perf_counter() - started
     except httpx.HTTPError as exc:
