@@ -135,10 +135,11 @@ def readme_block(name: str, results: Path = RESULTS, sections: tuple[str, ...] =
     state = " (with uncommitted changes)" if prov.uncommitted else ""
     lines = [f"*{source}: measured at {prov.commit}{state} on {prov.date} by `{prov.command}`.*"]
     if prov.historical:
-        lines.append(f"*Historical: {prov.historical}*")
+        lines.append(f"*Historical: {prov.historical} `{name}.json` is stale for today's code by design.*")
     elif prov.is_stale():
         lines.append(
-            f"> **Stale:** the code it measures ({', '.join(prov.measures)}) has changed since {prov.commit}; "
+            f"> **Stale:** `{name}.json` measured code ({', '.join(prov.measures)}) that has changed "
+            f"since {prov.commit}; "
             "re-run the command above, then `make readme`."
         )
     return "\n\n".join([*lines, body]) + "\n"
