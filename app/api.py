@@ -124,9 +124,9 @@ def _lifespan(settings: Settings) -> Callable[[FastAPI], AbstractAsyncContextMan
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics = Metrics()
         engine = build_engine(settings)
-        metrics.bind_engine(engine)
         metrics.set_slo(settings.slo_ttft_seconds, settings.slo_tpot_seconds, settings.slo_min_requests)
         runner = AsyncEngine(engine, on_step=metrics.observe_step)
+        metrics.bind_engine(runner.snapshot, engine.store.device)
         metrics.bind_loop(runner)
         runner.start()
         app.state.metrics = metrics
@@ -220,7 +220,7 @@ async def ready(request: Request):
 
 
 @router.get("/metrics")
-async def metrics(request: Request) -> Response:
+def metrics(request: Request) -> Response:  # sync: FastAPI runs it on a worker thread, as it waits for the engine
     registry = request.app.state.metrics.registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -1,13 +1,14 @@
 """Runs `LLMEngine` on its own thread and gives the asyncio side per-request output streams.
 
-The HTTP side never touches tensors: it sends commands (add, abort) through a thread-safe inbox
-and reads `RequestOutput`s from an asyncio queue per request. A request whose consumer goes away
+The HTTP side never touches the engine: it sends commands (add, abort, snapshot) through a
+thread-safe inbox and reads `RequestOutput`s from an asyncio queue per request. A request whose consumer goes away
 (client disconnect, cancelled task) is aborted and its KV memory is returned.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from app.engine import LLMEngine, StepStats
+from app.engine import EngineSnapshot, LLMEngine, StepStats
 from app.outputs import RequestOutput
 from app.sequence import SamplingParams
 from compression.config import CompressionParams
@@ -47,8 +48,13 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Snapshot:
+    answer: concurrent.futures.Future
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_step: Callable[[StepStats, LLMEngine], None] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[StepStats], None] | None = None) -> None:
         self.llm_engine = engine
         self.on_step = on_step
         self._inbox: queue.Queue = queue.Queue()
@@ -58,6 +64,7 @@ class AsyncEngine:
         self.error: BaseException | None = None
         # Unix time of the loop's last pass; it stops moving when a step hangs or the loop dies.
         self.heartbeat = time.time()
+        self._last_snapshot = engine.snapshot()
 
     # ----- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -73,6 +80,18 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def snapshot(self, timeout: float = 1.0) -> EngineSnapshot:
+        """The engine's accounting, taken by the loop between two steps. A loop busier than `timeout`
+        (a long prefill), or stopped mid-way, answers with the last snapshot it took."""
+        if self._thread is None or not self._thread.is_alive():
+            self._last_snapshot = self.llm_engine.snapshot()  # no other thread touches the engine
+            return self._last_snapshot
+        query = _Snapshot(concurrent.futures.Future())
+        self._inbox.put(query)
+        with contextlib.suppress(concurrent.futures.TimeoutError):
+            self._last_snapshot = query.answer.result(timeout)
+        return self._last_snapshot
 
     # ----- requests ----------------------------------------------------------------------
     async def generate(
@@ -112,7 +131,7 @@ class AsyncEngine:
                         outputs = self.llm_engine.step()
                         self._dispatch(outputs)
                         if self.on_step and self.llm_engine.last_step:
-                            self.on_step(self.llm_engine.last_step, self.llm_engine)
+                            self.on_step(self.llm_engine.last_step)
         except BaseException as exc:  # the loop must never die silently
             log.exception("engine loop crashed")
             self.error = exc
@@ -131,6 +150,8 @@ class AsyncEngine:
             elif isinstance(item, _Abort):
                 self._streams.pop(item.request_id, None)
                 self.llm_engine.abort(item.request_id)
+            elif isinstance(item, _Snapshot):
+                item.answer.set_result(self.llm_engine.snapshot())
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

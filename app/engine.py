@@ -52,6 +52,30 @@ class StepStats:
     num_out_of_memory: int = 0  # requests failed for want of KV memory (too big, or an OOM in the forward)
 
 
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's accounting at one moment, as plain numbers other threads may read."""
+
+    num_running: int
+    num_waiting: int
+    capacity_bytes: int
+    kv_bytes: dict[str, int]  # by pool: running requests, prefix cache, audit of dropped keys
+    entries: dict[str, int]  # (layer, token) entries of running requests, by tier
+    format_bytes: dict[str, int]  # the block pools' memory, by storage format
+    bookkeeping_bytes: int  # the parked caches' tables, positions and key norms
+    evicted: dict[str, int]  # (layer, token) entries removed, by reason
+    prefix_queries: int = 0  # the prefix cache's counters (zero without one)
+    prefix_hits: int = 0
+    prefix_reused_tokens: dict[str, int] = field(default_factory=dict)  # by how their entry was parked
+    prefix_evictions: dict[str, int] = field(default_factory=dict)  # by reason
+    prefix_warmup_tokens: int = 0
+
+    @property
+    def used_bytes(self) -> int:
+        """Running requests and the prefix cache: what the budget counts."""
+        return self.kv_bytes["running"] + self.kv_bytes["prefix"]
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -168,6 +192,34 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The accounting now. Only the thread that steps the engine may take it: the store's tables
+        change under a step."""
+        store, cache = self.store, self.prefix_cache
+        running = store.running_bytes
+        prefix = (
+            {}
+            if cache is None
+            else {
+                "prefix_queries": cache.queries,
+                "prefix_hits": cache.hits,
+                "prefix_reused_tokens": dict(cache.reused_tokens),
+                "prefix_evictions": dict(cache.evictions),
+                "prefix_warmup_tokens": cache.warmup_tokens,
+            }
+        )
+        return EngineSnapshot(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            capacity_bytes=store.max_bytes,
+            kv_bytes={"running": running, "prefix": store.used_bytes - running, "audit": self.compression.audit_bytes},
+            entries=store.entry_counts(),
+            format_bytes=store.pool_bytes,
+            bookkeeping_bytes=store.parked_bookkeeping_bytes,
+            evicted=dict(store.evicted_entries),
+            **prefix,
+        )
 
     # ----- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

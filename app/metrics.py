@@ -1,13 +1,13 @@
 """Prometheus metrics of the server, each registered on the app's own registry.
 
-Gauges and the engine's own counters (entries by tier, evictions) are read from the engine's
-accounting when scraped, so they are never stale; per-request and per-step figures are observed
-as they happen.
+What the engine holds (requests, KV bytes by pool and tier, its own counters) is read from one
+snapshot of its accounting per scrape, taken by the engine's thread, so it is never stale and never
+read while a step changes it; per-request and per-step figures are observed as they happen.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import psutil
 import torch
@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from app.async_engine import AsyncEngine
-from app.engine import LLMEngine, StepStats
+from app.engine import EngineSnapshot, StepStats
 from compression.prefix_cache import PARKED
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -67,20 +67,7 @@ class Metrics:
         )
 
     def _add_occupancy_metrics(self, r: CollectorRegistry) -> None:
-        """What the engine holds now: requests, KV cache bytes and device memory."""
-        self.running = Gauge("requests_running", "Requests running in the engine", registry=r)
-        self.waiting = Gauge("requests_waiting", "Requests waiting to be admitted", registry=r)
-        self.kv_memory = Gauge("kv_cache_memory_bytes", "All KV cache bytes held (every pool)", registry=r)
-        self.kv_pool = Gauge(
-            "kv_cache_bytes",
-            "KV cache bytes held, by pool: running requests, prefix cache, audit of dropped keys",
-            ["pool"],
-            registry=r,
-        )
-        self.kv_capacity = Gauge("kv_cache_capacity_bytes", "KV cache budget (max_cache_size)", registry=r)
-        self.kv_usage = Gauge(
-            "kv_cache_usage_ratio", "KV cache bytes held within the budget (running and prefix) / budget", registry=r
-        )
+        """Device memory; what the engine holds is read from its snapshot (`_EngineCollector`)."""
         self.device_memory = Gauge(
             "device_memory_usage_ratio",
             "Share of the device's memory in use (GPU memory on CUDA, system memory on CPU)",
@@ -139,19 +126,10 @@ class Metrics:
             registry=r,
         )
 
-    def bind_engine(self, engine: LLMEngine) -> None:
-        """Gauges read the engine's own accounting when scraped, so they are never stale."""
-        store, compression = engine.store, engine.compression
-        self.running.set_function(lambda: engine.num_running)
-        self.waiting.set_function(lambda: engine.num_waiting)
-        self.kv_memory.set_function(lambda: store.used_bytes + compression.audit_bytes)
-        self.kv_pool.labels("running").set_function(lambda: store.running_bytes)
-        self.kv_pool.labels("prefix").set_function(lambda: store.parked_bytes)
-        self.kv_pool.labels("audit").set_function(lambda: compression.audit_bytes)
-        self.kv_capacity.set_function(lambda: store.max_bytes)
-        self.kv_usage.set_function(lambda: store.used_bytes / store.max_bytes)
-        self.device_memory.set_function(lambda: _device_memory_ratio(store.device))
-        self.registry.register(_EngineCollector(engine))
+    def bind_engine(self, snapshot: Callable[[], EngineSnapshot], device: torch.device) -> None:
+        """What the engine holds is read from `snapshot` when scraped, so it is never stale."""
+        self.device_memory.set_function(lambda: _device_memory_ratio(device))
+        self.registry.register(_EngineCollector(snapshot))
 
     def bind_loop(self, runner: AsyncEngine) -> None:
         self.heartbeat.set_function(lambda: runner.heartbeat)
@@ -161,7 +139,7 @@ class Metrics:
         self.slo_target.labels("tpot").set(tpot_seconds)
         self.slo_min_requests.set(min_requests)
 
-    def observe_step(self, stats: StepStats, engine: LLMEngine) -> None:
+    def observe_step(self, stats: StepStats) -> None:
         self.step_time.observe(stats.duration_s)
         self.batch_size.observe(stats.num_seqs)
         if stats.num_preempted:
@@ -198,62 +176,78 @@ class Metrics:
 
 
 class _EngineCollector(Collector):
-    """Metrics whose values the engine already keeps, read at scrape time."""
+    """What the engine holds, from one snapshot per scrape."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.store = engine.store
-        self.prefix_cache = engine.prefix_cache
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self.snapshot = snapshot
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        now = self.snapshot()
+        yield GaugeMetricFamily("requests_running", "Requests running in the engine", now.num_running)
+        yield GaugeMetricFamily("requests_waiting", "Requests waiting to be admitted", now.num_waiting)
+        yield GaugeMetricFamily(
+            "kv_cache_memory_bytes", "All KV cache bytes held (every pool)", sum(now.kv_bytes.values())
+        )
+        pools = GaugeMetricFamily(
+            "kv_cache_bytes",
+            "KV cache bytes held, by pool: running requests, prefix cache, audit of dropped keys",
+            labels=["pool"],
+        )
+        for pool, nbytes in now.kv_bytes.items():
+            pools.add_metric([pool], nbytes)
+        yield pools
+        yield GaugeMetricFamily("kv_cache_capacity_bytes", "KV cache budget (max_cache_size)", now.capacity_bytes)
+        yield GaugeMetricFamily(
+            "kv_cache_usage_ratio",
+            "KV cache bytes held within the budget (running and prefix) / budget",
+            now.used_bytes / now.capacity_bytes,
+        )
         entries = GaugeMetricFamily("kv_cache_entries", "(layer, token) KV entries held, by tier", labels=["tier"])
-        for tier, count in self.store.entry_counts().items():
+        for tier, count in now.entries.items():
             entries.add_metric([tier], count)
         yield entries
-        pools = GaugeMetricFamily(
+        formats = GaugeMetricFamily(
             "kv_cache_pool_bytes",
             "Memory of the KV block pools, by storage format: blocks in use and free (pools grow, never shrink)",
             labels=["format"],
         )
-        for storage, nbytes in self.store.pool_bytes.items():
-            pools.add_metric([storage], nbytes)
-        yield pools
+        for storage, nbytes in now.format_bytes.items():
+            formats.add_metric([storage], nbytes)
+        yield formats
         yield GaugeMetricFamily(
             "kv_prefix_cache_bookkeeping_bytes",
             "Host memory of the parked caches' block tables, positions and key norms, beside their blocks "
             '(counted in kv_cache_bytes{pool="prefix"})',
-            self.store.parked_bookkeeping_bytes,
+            now.bookkeeping_bytes,
         )
         evictions = CounterMetricFamily(
             "kv_evictions", "(layer, token) KV entries removed from memory, by reason", labels=["reason"]
         )
         for reason in _EVICTION_REASONS:
-            evictions.add_metric([reason], self.store.evicted_entries[reason])
+            evictions.add_metric([reason], now.evicted.get(reason, 0))
         yield evictions
-        cache = self.prefix_cache
         yield CounterMetricFamily(
-            "kv_prefix_cache_queries", "Prompts looked up in the prefix cache", cache.queries if cache else 0
+            "kv_prefix_cache_queries", "Prompts looked up in the prefix cache", now.prefix_queries
         )
-        yield CounterMetricFamily(
-            "kv_prefix_cache_hits", "Prompts that reused a prefix-cache entry", cache.hits if cache else 0
-        )
+        yield CounterMetricFamily("kv_prefix_cache_hits", "Prompts that reused a prefix-cache entry", now.prefix_hits)
         reused = CounterMetricFamily(
             "kv_prefix_cache_reused_tokens",
             "Prompt tokens served from the prefix cache, by how their entry was parked (both query-agnostic)",
             labels=["parked"],
         )
         for parked in PARKED:
-            reused.add_metric([parked], cache.reused_tokens[parked] if cache else 0)
+            reused.add_metric([parked], now.prefix_reused_tokens.get(parked, 0))
         yield reused
         evicted = CounterMetricFamily(
             "kv_prefix_cache_evictions", "Prefix-cache entries evicted, by reason", labels=["reason"]
         )
         for reason in ("memory", "superseded", "cleared"):
-            evicted.add_metric([reason], cache.evictions[reason] if cache else 0)
+            evicted.add_metric([reason], now.prefix_evictions.get(reason, 0))
         yield evicted
         yield GaugeMetricFamily(
             "kv_prefix_cache_warmup_tokens",
             "Prompt tokens prefilled into the prefix cache at start-up",
-            cache.warmup_tokens if cache else 0,
+            now.prefix_warmup_tokens,
         )
 
 

@@ -209,16 +209,6 @@ class KVStore:
         return 2 * self.num_kv_heads * vector, self.num_kv_heads * (vector + self.key_only_pool.codec.vector_bytes)
 
     @property
-    def token_bytes_per_layer(self) -> int:
-        """Bytes of one FULL token's key and value in one layer at the default storage precision."""
-        return self.entry_bytes()[0]
-
-    @property
-    def token_bytes(self) -> int:
-        """Bytes of one FULL token's keys and values over all layers at the default storage precision."""
-        return self.num_layers * self.token_bytes_per_layer
-
-    @property
     def model_token_bytes(self) -> int:
         """Bytes of one token over all layers in an uncompressed cache at the model's dtype."""
         element = torch.empty((), dtype=self.dtype).element_size()

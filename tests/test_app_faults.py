@@ -63,6 +63,43 @@ def test_an_engine_loop_crash_is_reported_by_health_ready_requests_and_metrics(t
     assert "engine loop crashed" in caplog.text
 
 
+def test_metrics_read_the_engine_between_steps_and_do_not_wait_on_a_hung_step(tiny_model_dir):
+    settings = Settings(model_path=tiny_model_dir, max_cache_size="64", torch_threads=1)
+    with TestClient(create_app(settings)) as client:
+        engine = client.app.state.engine.llm_engine
+        take, takers = engine.snapshot, []
+
+        def recorded():
+            takers.append(threading.current_thread().name)
+            return take()
+
+        engine.snapshot = recorded
+        assert metric(client, "requests_running") == 0
+        assert takers == ["engine-loop"]  # the store is read by the thread that changes it, never beside it
+
+        step, entered, release = engine.step, threading.Event(), threading.Event()
+
+        def hung_step():
+            entered.set()
+            release.wait(30)
+            return step()
+
+        engine.step = hung_step
+        body = {"prompt": "Hello there", "max_tokens": 3, "temperature": 0}
+        worker = threading.Thread(target=lambda: client.post("/generate", json=body))
+        worker.start()
+        try:
+            assert entered.wait(10)
+            started = time.monotonic()
+            assert metric(client, "requests_running") == 0  # the last snapshot, from before the step
+            assert time.monotonic() - started < 5
+        finally:
+            release.set()
+            worker.join()
+        assert metric(client, 'requests_total{status="length"}') == 1
+        assert metric(client, 'kv_cache_bytes{pool="running"}') == 0
+
+
 def test_malformed_and_non_utf8_bodies_get_4xx_in_our_error_shape(tiny_model_dir):
     settings = Settings(model_path=tiny_model_dir, max_cache_size="64", torch_threads=1)
     with TestClient(create_app(settings)) as client:

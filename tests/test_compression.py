@@ -39,7 +39,7 @@ def run_one(engine, ids, policy, rate, max_tokens=24, stats=True, **overrides):
 
 def slack_bytes(engine, interval: int) -> int:
     """One compression interval of FULL tokens, plus a partial block per table of every layer."""
-    return (interval + 2 * BLOCK_SIZE) * engine.store.token_bytes
+    return (interval + 2 * BLOCK_SIZE) * engine.store.model_token_bytes
 
 
 @pytest.mark.parametrize("policy", EVICTING)
@@ -56,7 +56,7 @@ def test_every_policy_respects_the_compression_rate(model, tokenizer, policy, ra
     metrics = out[-1].compression_metrics
     assert sizes, "the engine never compressed"
     for held, uncompressed in sizes:
-        assert held <= (1 - rate) * uncompressed + 2 * BLOCK_SIZE * engine.store.token_bytes
+        assert held <= (1 - rate) * uncompressed + 2 * BLOCK_SIZE * engine.store.model_token_bytes
     assert metrics["compressed_size"] <= (1 - rate) * metrics["original_size"] + slack_bytes(engine, 8)
     entries = metrics["entries"]
     assert entries["dropped"] + entries["key_only"] > 0  # int8 storage alone keeps ~28%: every case must demote

@@ -120,7 +120,8 @@ def exported_names(tokenizer) -> set[str]:
     """Every sample name the server exports, from a registry bound to a real (tiny) engine."""
     metrics = Metrics()
     model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
-    metrics.bind_engine(make_engine(model, tokenizer))
+    engine = make_engine(model, tokenizer)
+    metrics.bind_engine(engine.snapshot, engine.store.device)
     names = set()
     for line in generate_latest(metrics.registry).decode().splitlines():
         if line.startswith("# TYPE "):  # labelled metrics have no samples until a label is used

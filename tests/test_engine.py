@@ -32,7 +32,7 @@ def test_preemption_under_a_small_budget_keeps_greedy_output(model, tokenizer):
     free = make_engine(model, tokenizer)
     want = run_all(free, batch, greedy(40, ignore_eos=True))
     # Room for about three of the six sequences at their full length.
-    tight = make_engine(model, tokenizer, max_cache_bytes=300 * free.store.token_bytes)
+    tight = make_engine(model, tokenizer, max_cache_bytes=300 * free.store.model_token_bytes)
     steps_preempted = 0
     for i, p in enumerate(batch):
         tight.add_request(str(i), p, greedy(40, ignore_eos=True))
@@ -60,7 +60,7 @@ def test_admission_waits_for_memory_and_respects_max_num_seqs(model, tokenizer):
 
 
 def test_request_too_big_for_the_budget_fails_alone(model, tokenizer):
-    engine = make_engine(model, tokenizer, max_cache_bytes=64 * make_engine(model, tokenizer).store.token_bytes)
+    engine = make_engine(model, tokenizer, max_cache_bytes=64 * make_engine(model, tokenizer).store.model_token_bytes)
     small, huge = prompts(tokenizer, [8, 200])
     engine.add_request("small", small, greedy(5, ignore_eos=True))
     engine.add_request("huge", huge, greedy(5, ignore_eos=True))
@@ -100,7 +100,7 @@ class Recorder:
 
 def test_listeners_are_told_once_per_finish_preemption_and_abort_in_order(model, tokenizer):
     free = make_engine(model, tokenizer)
-    engine = make_engine(model, tokenizer, max_cache_bytes=300 * free.store.token_bytes)  # forces preemption
+    engine = make_engine(model, tokenizer, max_cache_bytes=300 * free.store.model_token_bytes)  # forces preemption
     log = []
     engine.scheduler.listeners += [Recorder("first", engine.store, log), Recorder("second", engine.store, log)]
     for i, p in enumerate(prompts(tokenizer, [30, 50, 20, 60, 40, 35])):

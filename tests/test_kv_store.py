@@ -60,7 +60,8 @@ def test_waste_is_at_most_one_partial_block_per_table():
     store = make_store()
     fill(store, 1, 13)
     assert store.seq_bytes(1) == store.num_layers * 2 * store.block_bytes()  # one block of keys, one of values
-    assert store.seq_bytes(1) <= 13 * store.token_bytes + store.num_layers * 2 * store.block_bytes()
+    full_entry = store.entry_bytes()[0]
+    assert store.seq_bytes(1) <= store.num_layers * (13 * full_entry + 2 * store.block_bytes())
     fill(store, 1, 4, start=13)  # 17 entries: a second block per table
     assert store.seq_bytes(1) == store.num_layers * 4 * store.block_bytes()
 
@@ -154,7 +155,7 @@ ops = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(ops=ops, budget_tokens=st.integers(16, 600))
 def test_accounting_matches_references_and_budget(ops, budget_tokens):
-    store = make_store(max_bytes=budget_tokens * make_store().token_bytes_per_layer, storage="int8")
+    store = make_store(max_bytes=budget_tokens * make_store().entry_bytes()[0], storage="int8")
     parked: list[ParkedKV] = []
     for op, seq_id, n in ops:
         if op == "grow":

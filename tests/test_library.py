@@ -35,7 +35,7 @@ def test_dynamic_compresses_within_the_rate_and_reports_metrics(tokenizer):
     out = compressor.generate(model, ids, max_new_tokens=24, do_sample=False, eos_token_id=None)
     assert out.shape[1] == 300 + 24
     metrics = compressor.metrics()
-    slack = (8 + 32) * compressor.store.token_bytes  # one interval plus chunk rounding
+    slack = (8 + 32) * compressor.store.model_token_bytes  # one interval plus chunk rounding
     assert metrics.compressed_size <= 0.2 * metrics.original_size + slack
     assert metrics.entries["dropped"] > 0
     assert 0.0 < metrics.recall_rate <= 1.0

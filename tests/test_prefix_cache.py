@@ -86,7 +86,7 @@ def test_reuse_needs_the_same_compression_settings(model, tokenizer):
     assert hit.cached_prompt_tokens == min(len(prompt), len(longer) - engine.compression_config.observation_window)
     metrics = hit.compression_metrics
     assert metrics["hit_rate"] > 0.8
-    assert metrics["compressed_size"] <= 0.5 * metrics["original_size"] + 24 * engine.store.token_bytes
+    assert metrics["compressed_size"] <= 0.5 * metrics["original_size"] + 24 * engine.store.model_token_bytes
 
 
 def test_concurrent_reusers_never_see_each_others_writes(model, tokenizer):

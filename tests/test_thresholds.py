@@ -166,7 +166,7 @@ def test_a_requests_thresholds_decide_its_memory_under_the_rate_ceiling(tokenize
     assert lenient["entries"]["dropped"] == 0
     # A tight ceiling: the rate wins over lenient thresholds.
     tight = run(0.8, {"high": 0.5, "medium": 0.2})
-    slack = (8 + 2 * BLOCK_SIZE) * make_engine(model, tokenizer).store.token_bytes  # an interval, partial blocks
+    slack = (8 + 2 * BLOCK_SIZE) * make_engine(model, tokenizer).store.model_token_bytes  # an interval, partial blocks
     assert tight["compressed_size"] <= tight["ceiling_size"] + slack
     assert tight["compressed_size"] < lenient["compressed_size"]
 
