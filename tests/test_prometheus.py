@@ -15,9 +15,12 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+import uvicorn
 import yaml
 
-from tests.helpers import ROOT, LiveServer, free_port
+from app.api import create_app
+from app.settings import Settings
+from tests.helpers import ROOT, LiveServer, free_port, tiny_model
 
 PROMETHEUS_DIR = ROOT / "prometheus"
 RULE_COUNT = 19  # alerts and recording rules
@@ -377,8 +380,75 @@ def test_overload_pages_with_runbooks_a_full_prefix_pool_does_not_and_the_seed_l
         assert any(f"TimePerOutputTokenSLOBreach instance={a} severity=critical" in line for line in pager), pager
         assert all(f"instance={a}" in line and "runbook README.md#" in line for line in pager), pager
         assert f"HighMeanRequestLatency instance={b}" not in webhook.log_text()
+        # A server that stops answering its scrapes pages ConfKVDown.
+        healthy.stop()
+        down = f"pager firing ConfKVDown instance={b}"
+        webhook.wait_for(lambda: down in webhook.log_text(), "the server-down page", 60)
     finally:
         for load in loads:
             load.stop()
         for process in (prometheus, alertmanager, webhook, overloaded, healthy):
             process.stop()
+
+
+class InProcessServer:
+    """The app on a real port, served from this process so that a test can break its engine loop."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.app = create_app(settings)
+        port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the in-process server did not start"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.mark.slow
+def test_a_dead_engine_loop_pages_its_errors_and_its_stall_with_runbooks(tokenizer, tmp_path):
+    """A loop that crashes under a live server: the lost and refused requests page HighServerErrorRate,
+    and the heartbeat, still scraped, pages EngineLoopStalled 30 s later (`for` cut to 2 s)."""
+    model_dir = tmp_path / "tiny-llama"
+    tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    served = InProcessServer(Settings(model_path=model_dir, max_cache_size="64", torch_threads=1))
+    instance = served.url.removeprefix("http://")
+    webhook = WebhookLog(tmp_path)
+    alertmanager = Alertmanager(tmp_path, webhook.url)
+    prometheus = Prometheus([instance], tmp_path, fast_rules(tmp_path), alertmanager.url.removeprefix("http://"))
+    try:
+        body = {"prompt": "Hello there", "max_tokens": 3, "temperature": 0}
+        assert httpx.post(f"{served.url}/generate", json=body, timeout=60).status_code == 200
+        prometheus.wait_for(lambda: prometheus.query('requests_total{status="length"} > 0'), "a served request")
+
+        def crash() -> None:
+            raise RuntimeError("injected loop fault")
+
+        served.app.state.engine.llm_engine.step = crash
+        crashed = time.time()  # the next request's step
+        codes = []
+        for _ in range(5):  # a scrape apart: a counter's rise is seen between two samples, not at its first
+            codes.append(httpx.post(f"{served.url}/generate", json=body, timeout=60).status_code)
+            time.sleep(1.5)
+        assert codes == [500, 503, 503, 503, 503]  # lost in flight, then refused
+
+        def paged(name: str) -> bool:
+            return f"pager firing {name} instance={instance}" in webhook.log_text()
+
+        webhook.wait_for(lambda: paged("HighServerErrorRate"), "the 5xx page", 60)
+        webhook.wait_for(lambda: paged("EngineLoopStalled"), "the stalled-loop page", 90)
+        assert time.time() - crashed > 30  # the heartbeat's threshold, not an early guess
+        pager = [line for line in webhook.log_text().splitlines() if " pager firing " in line]
+        assert all("runbook README.md#" in line for line in pager), pager
+        assert not paged("ConfKVDown")  # /metrics kept answering while the loop was dead
+    finally:
+        for process in (prometheus, alertmanager, webhook):
+            process.stop()
+        served.stop()
