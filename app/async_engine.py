@@ -81,16 +81,17 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    def snapshot(self, timeout: float = 1.0) -> EngineSnapshot:
-        """The engine's accounting, taken by the loop between two steps. A loop busier than `timeout`
-        (a long prefill), or stopped mid-way, answers with the last snapshot it took."""
+    def snapshot(self, timeout: float = 0.2) -> EngineSnapshot:
+        """The engine's accounting, taken by the loop between two steps. When the loop is inside a
+        step longer than `timeout` (a long prefill), the answer is the last snapshot it took, for an
+        earlier caller: scrapes stay fast, one scrape behind. A stopped loop's engine is read here."""
         if self._thread is None or not self._thread.is_alive():
             self._last_snapshot = self.llm_engine.snapshot()  # no other thread touches the engine
             return self._last_snapshot
         query = _Snapshot(concurrent.futures.Future())
         self._inbox.put(query)
         with contextlib.suppress(concurrent.futures.TimeoutError):
-            self._last_snapshot = query.answer.result(timeout)
+            return query.answer.result(timeout)
         return self._last_snapshot
 
     # ----- requests ----------------------------------------------------------------------
@@ -151,7 +152,8 @@ class AsyncEngine:
                 self._streams.pop(item.request_id, None)
                 self.llm_engine.abort(item.request_id)
             elif isinstance(item, _Snapshot):
-                item.answer.set_result(self.llm_engine.snapshot())
+                self._last_snapshot = self.llm_engine.snapshot()
+                item.answer.set_result(self._last_snapshot)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
