@@ -2,21 +2,32 @@
 
     python load_tests/run.py                          # 20 users, 5 minutes, own server
     python load_tests/run.py --host http://127.0.0.1:8080 --users 10 --duration 40s
+    python load_tests/run.py --users 4 --duration 3m --watch-alerts    # and what it pages
 Writes locust's CSV files and HTML report under --out; exits non-zero if any request failed.
+
+--watch-alerts runs a real Prometheus and Alertmanager beside the load, with the repo's rules and
+routes, scraping and evaluating every second and every rule's `for` cut to 2 s, so a few minutes
+of load show what hours would page. It writes what fired, by receiver, to --alerts-out and exits
+non-zero if anything reached the pager.
 """
 
 from __future__ import annotations
 
 import argparse
-import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import save_report  # noqa: E402
+from load_tests.monitoring import Alertmanager, Prometheus, WebhookLog, fast_rules, free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,9 +47,7 @@ def served(url: str | None, extra: list[str]) -> Iterator[tuple[str, int | None]
 
 
 def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "--port", str(port), *extra], cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -83,6 +92,54 @@ def run_locust(host: str, users: int, spawn_rate: float, duration: str, out: Pat
     return subprocess.run(cmd, cwd=ROOT).returncode
 
 
+@contextmanager
+def watched(host: str, workdir: Path) -> Iterator[Callable[[], dict]]:
+    """Prometheus and Alertmanager (notifying a webhook log) watching `host`; yields a function
+    that reports what fired so far: alerts by state and the notifications by receiver."""
+    webhook = WebhookLog(workdir)
+    alertmanager = Alertmanager(workdir, webhook.url)
+    instance = host.removeprefix("http://")
+    prometheus = Prometheus([instance], workdir, fast_rules(workdir), alertmanager.url.removeprefix("http://"))
+
+    def report() -> dict:
+        time.sleep(5)  # the last evaluations and notifications
+        fired = prometheus.query('ALERTS{alertstate="firing"}[1d]')
+        notified = [line.split(" ", 2)[2] for line in webhook.log_text().splitlines() if " firing " in line]
+        p99 = {
+            kind: prometheus.query(f"max_over_time(instance:{kind}_seconds:p99_5m[1d])")
+            for kind in ("time_to_first_token", "time_per_output_token")
+        }
+        return {
+            "fired": sorted({a["metric"]["alertname"] for a in fired}),
+            "paged": sorted({line.split()[2] for line in notified if line.startswith("pager ")}),
+            "logged": sorted({line.split()[2] for line in notified if line.startswith("log ")}),
+            "worst_p99_seconds": {k: float(v[0]["value"][1]) if v else None for k, v in p99.items()},
+            "notifications": notified,
+        }
+
+    try:
+        prometheus.wait_for(lambda: prometheus.query('up{job="conf-kv"} == 1'), "the server up")
+        yield report
+    finally:
+        for process in (prometheus, alertmanager, webhook):
+            process.stop()
+
+
+def alerts_table(users: int, duration: str, seen: dict) -> str:
+    def names(key: str) -> str:
+        return ", ".join(seen[key]) or "none"
+
+    p99 = seen["worst_p99_seconds"]
+    return "\n".join(
+        [
+            "| users | duration | worst p99 TTFT | worst p99 TPOT | paged | logged only |",
+            "| ---: | --- | ---: | ---: | --- | --- |",
+            f"| {users} | {duration} | {p99['time_to_first_token'] or 0:.2f} s "
+            f"| {p99['time_per_output_token'] or 0:.3f} s | {names('paged')} | {names('logged')} |",
+        ]
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", help="a running server; default: start one on the embedded model")
@@ -91,9 +148,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", default="5m", help="locust --run-time, e.g. 40s or 10m")
     parser.add_argument("--out", type=Path, default=ROOT / "load_tests" / "results" / "load")
     parser.add_argument("--server-arg", action="append", default=[], help="extra serve.py flag (repeatable)")
+    parser.add_argument("--watch-alerts", action="store_true", help="run Prometheus and Alertmanager beside it")
+    parser.add_argument("--alerts-out", type=Path, default=ROOT / "benchmarks" / "results" / "load_alerts")
     args = parser.parse_args(argv)
-    with served(args.host, args.server_arg) as (host, _):
-        code = run_locust(host, args.users, args.spawn_rate, args.duration, args.out)
+    with served(args.host, args.server_arg) as (host, _), tempfile.TemporaryDirectory() as workdir:
+        if not args.watch_alerts:
+            code = run_locust(host, args.users, args.spawn_rate, args.duration, args.out)
+        else:
+            with watched(host, Path(workdir)) as report:
+                code = run_locust(host, args.users, args.spawn_rate, args.duration, args.out)
+                seen = report()
+            table = alerts_table(args.users, args.duration, seen)
+            save_report(args.alerts_out, "Alerts under the locust mix", table, seen, args)
+            code = code or (1 if seen["paged"] else 0)
     print(f"locust report: {args.out.with_suffix('.html')} and {args.out}_stats.csv")
     return code
 

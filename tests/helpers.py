@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from app.sequence import SamplingParams
 from compression.attention import Segment
 from compression.config import CompressionConfig
 from compression.kv_store import KVStore
+from load_tests.monitoring import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,12 +104,6 @@ def reference_greedy(model: PreTrainedModel, prompt_ids: list[int], max_tokens: 
         eos_token_id=None,
     )
     return out.sequences[0, len(prompt_ids) :].tolist(), torch.cat(out.logits).float()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LiveServer:

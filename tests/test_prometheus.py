@@ -16,8 +16,8 @@ import yaml
 
 from app.api import create_app
 from app.settings import Settings
+from load_tests.monitoring import PROMETHEUS_DIR, Alertmanager, Prometheus, WebhookLog, fast_rules
 from tests.helpers import ROOT, LiveServer, free_port, tiny_model
-from tests.monitoring import PROMETHEUS_DIR, Alertmanager, Prometheus, WebhookLog, fast_rules
 
 RULE_COUNT = 19  # alerts and recording rules
 

@@ -1,8 +1,10 @@
-"""Real Prometheus, Alertmanager and webhook receiver processes on loopback, for the live alert tests."""
+"""Real Prometheus, Alertmanager and webhook receiver processes on loopback, with the repo's own
+configuration aimed at them: for the live alert tests and for load runs that watch the alerts."""
 
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -13,9 +15,14 @@ from urllib.parse import urlsplit
 import httpx
 import yaml
 
-from tests.helpers import ROOT, free_port
-
+ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS_DIR = ROOT / "prometheus"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class _Process:
