@@ -10,7 +10,8 @@ from fastapi.staticfiles import StaticFiles
 
 from app.schemas import ErrorResponse, InspectionResponse
 
-PAGE = Path(__file__).resolve().parent / "static" / "inspect"
+# Plain HTML, CSS and JS, no build step; beside the server's code, not in it.
+PAGE = Path(__file__).resolve().parent.parent / "web" / "inspect"
 
 router = APIRouter(prefix="/inspect", tags=["Cache inspector"])
 assets = StaticFiles(directory=PAGE, check_dir=False)
