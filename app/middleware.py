@@ -44,7 +44,9 @@ class APIKeyMiddleware:
     (`browser_paths`) may give the key as HTTP Basic's password instead: the 401 asks a browser for
     it, and the browser then sends it with the page's own requests."""
 
-    def __init__(self, app: ASGIApp, keys: list[str], open_paths: set[str], browser_paths: set[str]) -> None:
+    def __init__(
+        self, app: ASGIApp, keys: list[str], open_paths: set[str], browser_paths: frozenset[str] = frozenset()
+    ) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys]
         self.open_paths = open_paths
