@@ -109,7 +109,9 @@ def watched(host: str, workdir: Path) -> Iterator[Callable[[], dict]]:
             kind: prometheus.query(f"max_over_time(instance:{kind}_seconds:p99_5m[1d])")
             for kind in ("time_to_first_token", "time_per_output_token")
         }
+        slo = {kind: prometheus.query(f'max(slo_target_seconds{{kind="{kind}"}})') for kind in ("ttft", "tpot")}
         return {
+            "slo_seconds": {k: float(v[0]["value"][1]) for k, v in slo.items()},
             "fired": sorted({a["metric"]["alertname"] for a in fired}),
             "paged": sorted({line.split()[2] for line in notified if line.startswith("pager ")}),
             "logged": sorted({line.split()[2] for line in notified if line.startswith("log ")}),
@@ -129,12 +131,12 @@ def alerts_table(users: int, duration: str, seen: dict) -> str:
     def names(key: str) -> str:
         return ", ".join(seen[key]) or "none"
 
-    p99 = seen["worst_p99_seconds"]
+    p99, slo = seen["worst_p99_seconds"], seen["slo_seconds"]
     return "\n".join(
         [
-            "| users | duration | worst p99 TTFT | worst p99 TPOT | paged | logged only |",
-            "| ---: | --- | ---: | ---: | --- | --- |",
-            f"| {users} | {duration} | {p99['time_to_first_token'] or 0:.2f} s "
+            "| users | duration | SLO TTFT / TPOT | worst p99 TTFT | worst p99 TPOT | paged | logged only |",
+            "| ---: | --- | --- | ---: | ---: | --- | --- |",
+            f"| {users} | {duration} | {slo['ttft']:g} s / {slo['tpot']:g} s | {p99['time_to_first_token'] or 0:.2f} s "
             f"| {p99['time_per_output_token'] or 0:.3f} s | {names('paged')} | {names('logged')} |",
         ]
     )

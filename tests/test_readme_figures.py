@@ -19,7 +19,7 @@ def test_readme_figures_are_what_their_results_files_generate():
 @pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.stem)
 def test_every_results_file_names_its_commit_command_date_and_measured_code(path):
     prov = Provenance.of(json.loads(path.read_text()))
-    assert len(prov.commit) >= 7 and prov.command.startswith("python benchmarks/")
+    assert len(prov.commit) >= 7 and prov.command.startswith(("python benchmarks/", "python load_tests/"))
     assert date.fromisoformat(prov.date) and prov.measures and len(prov.code_digest) == 16
 
 
