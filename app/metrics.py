@@ -188,67 +188,75 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             "kv_cache_memory_bytes", "All KV cache bytes held (every pool)", sum(now.kv_bytes.values())
         )
-        pools = GaugeMetricFamily(
+        yield _labelled(
+            GaugeMetricFamily,
             "kv_cache_bytes",
             "KV cache bytes held, by pool: running requests, prefix cache, audit of dropped keys",
-            labels=["pool"],
+            "pool",
+            now.kv_bytes,
         )
-        for pool, nbytes in now.kv_bytes.items():
-            pools.add_metric([pool], nbytes)
-        yield pools
         yield GaugeMetricFamily("kv_cache_capacity_bytes", "KV cache budget (max_cache_size)", now.capacity_bytes)
         yield GaugeMetricFamily(
             "kv_cache_usage_ratio",
             "KV cache bytes held within the budget (running and prefix) / budget",
             now.used_bytes / now.capacity_bytes,
         )
-        entries = GaugeMetricFamily("kv_cache_entries", "(layer, token) KV entries held, by tier", labels=["tier"])
-        for tier, count in now.entries.items():
-            entries.add_metric([tier], count)
-        yield entries
-        formats = GaugeMetricFamily(
+        yield _labelled(
+            GaugeMetricFamily, "kv_cache_entries", "(layer, token) KV entries held, by tier", "tier", now.entries
+        )
+        yield _labelled(
+            GaugeMetricFamily,
             "kv_cache_pool_bytes",
             "Memory of the KV block pools, by storage format: blocks in use and free (pools grow, never shrink)",
-            labels=["format"],
+            "format",
+            now.format_bytes,
         )
-        for storage, nbytes in now.format_bytes.items():
-            formats.add_metric([storage], nbytes)
-        yield formats
         yield GaugeMetricFamily(
             "kv_prefix_cache_bookkeeping_bytes",
             "Host memory of the parked caches' block tables, positions and key norms, beside their blocks "
             '(counted in kv_cache_bytes{pool="prefix"})',
             now.bookkeeping_bytes,
         )
-        evictions = CounterMetricFamily(
-            "kv_evictions", "(layer, token) KV entries removed from memory, by reason", labels=["reason"]
+        yield _labelled(
+            CounterMetricFamily,
+            "kv_evictions",
+            "(layer, token) KV entries removed from memory, by reason",
+            "reason",
+            {reason: now.evicted.get(reason, 0) for reason in _EVICTION_REASONS},
         )
-        for reason in _EVICTION_REASONS:
-            evictions.add_metric([reason], now.evicted.get(reason, 0))
-        yield evictions
         yield CounterMetricFamily(
             "kv_prefix_cache_queries", "Prompts looked up in the prefix cache", now.prefix_queries
         )
         yield CounterMetricFamily("kv_prefix_cache_hits", "Prompts that reused a prefix-cache entry", now.prefix_hits)
-        reused = CounterMetricFamily(
+        yield _labelled(
+            CounterMetricFamily,
             "kv_prefix_cache_reused_tokens",
             "Prompt tokens served from the prefix cache, by how their entry was parked (both query-agnostic)",
-            labels=["parked"],
+            "parked",
+            {parked: now.prefix_reused_tokens.get(parked, 0) for parked in PARKED},
         )
-        for parked in PARKED:
-            reused.add_metric([parked], now.prefix_reused_tokens.get(parked, 0))
-        yield reused
-        evicted = CounterMetricFamily(
-            "kv_prefix_cache_evictions", "Prefix-cache entries evicted, by reason", labels=["reason"]
+        yield _labelled(
+            CounterMetricFamily,
+            "kv_prefix_cache_evictions",
+            "Prefix-cache entries evicted, by reason",
+            "reason",
+            {reason: now.prefix_evictions.get(reason, 0) for reason in ("memory", "superseded", "cleared")},
         )
-        for reason in ("memory", "superseded", "cleared"):
-            evicted.add_metric([reason], now.prefix_evictions.get(reason, 0))
-        yield evicted
         yield GaugeMetricFamily(
             "kv_prefix_cache_warmup_tokens",
             "Prompt tokens prefilled into the prefix cache at start-up",
             now.prefix_warmup_tokens,
         )
+
+
+def _labelled(
+    family: type[GaugeMetricFamily | CounterMetricFamily], name: str, documentation: str, label: str, values: dict
+) -> GaugeMetricFamily | CounterMetricFamily:
+    """A metric with one label, one sample per entry of `values`."""
+    metric = family(name, documentation, labels=[label])
+    for key, value in values.items():
+        metric.add_metric([key], value)
+    return metric
 
 
 def _device_memory_ratio(device: torch.device) -> float:

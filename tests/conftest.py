@@ -6,7 +6,7 @@ from transformers import AutoTokenizer
 
 from models.default_model import default_model_path
 from models.loader import load_model
-from tests.helpers import LiveServer
+from tests.helpers import LiveServer, tiny_model
 
 torch.set_num_threads(2)
 
@@ -33,3 +33,12 @@ def server(default_path):
     srv = LiveServer("--model-path", str(default_path), "--max-cache-size", "256", "--max-num-seqs", "8")
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    """A small random llama with the default tokenizer, saved where a server can load it."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

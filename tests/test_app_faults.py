@@ -6,20 +6,11 @@ import threading
 import time
 
 import httpx
-import pytest
 from fastapi.testclient import TestClient
 
 from app.api import create_app
 from app.settings import Settings
-from tests.helpers import LiveServer, tiny_model
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory, tokenizer):
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+from tests.helpers import LiveServer
 
 
 def metric(client: TestClient, sample: str) -> float:

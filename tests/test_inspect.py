@@ -6,7 +6,6 @@ import base64
 import logging
 
 import numpy as np
-import pytest
 import torch
 from fastapi.testclient import TestClient
 from hypothesis import given
@@ -84,14 +83,6 @@ def test_an_inspected_requests_final_tiers_are_its_answers_entries(tokenizer):
     assert counts.tolist() == [entries["dropped"], entries["key_only"], entries["full"]]
     assert entries["dropped"] > 0 and entries["key_only"] > 0
     assert any(layer.scores is not None for layer in history.records[0].layers)
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory, tokenizer):
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 PROMPT = "The secret word is persimmon. " * 20

@@ -17,7 +17,7 @@ import yaml
 from app.api import create_app
 from app.settings import Settings
 from load_tests.monitoring import PROMETHEUS_DIR, Alertmanager, Prometheus, WebhookLog, fast_rules
-from tests.helpers import ROOT, LiveServer, free_port, tiny_model
+from tests.helpers import ROOT, LiveServer, free_port
 
 RULE_COUNT = 19  # alerts and recording rules
 
@@ -288,13 +288,10 @@ class InProcessServer:
 
 
 @pytest.mark.slow
-def test_a_dead_engine_loop_pages_its_errors_and_its_stall_with_runbooks(tokenizer, tmp_path):
+def test_a_dead_engine_loop_pages_its_errors_and_its_stall_with_runbooks(tiny_model_dir, tmp_path):
     """A loop that crashes under a live server: the lost and refused requests page HighServerErrorRate,
     and the heartbeat, still scraped, pages EngineLoopStalled 30 s later (`for` cut to 2 s)."""
-    model_dir = tmp_path / "tiny-llama"
-    tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    served = InProcessServer(Settings(model_path=model_dir, max_cache_size="64", torch_threads=1))
+    served = InProcessServer(Settings(model_path=tiny_model_dir, max_cache_size="64", torch_threads=1))
     instance = served.url.removeprefix("http://")
     webhook = WebhookLog(tmp_path)
     alertmanager = Alertmanager(tmp_path, webhook.url)
