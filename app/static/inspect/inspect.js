@@ -449,9 +449,14 @@
       `${p.kv_cache_dtype ?? "?"}`;
     if (!comps.length) {
       state.geom = null;
+      const canvas = $("map");
+      canvas.getContext("2d").clearRect(0, 0, canvas.width, canvas.height);
       $("step-label").textContent = "no compression recorded for this request";
+      $("map-counts").textContent = "";
       $("bars").replaceChildren();
-      return { renderMs: 0, loadMs: performance.now() - started };
+      inspector.renderMs = 0;
+      inspector.loadMs = performance.now() - started;
+      return { renderMs: 0, loadMs: inspector.loadMs };
     }
     setStep(comps.length - 1);
     inspector.loadMs = performance.now() - started;
