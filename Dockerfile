@@ -29,6 +29,7 @@ COPY app ./app
 COPY compression ./compression
 COPY models ./models
 COPY config ./config
+COPY web ./web
 COPY serve.py ./
 # g++ builds the decode-attention kernel (a PyTorch C++ extension) here, once; the runtime loads it as built.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ \

@@ -20,6 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.async_engine import AsyncEngine, EngineDeadError
 from app.engine import EngineConfig, LLMEngine
+from app.inspect_api import assets as inspect_assets
+from app.inspect_api import router as inspect_router
 from app.metrics import Metrics
 from app.middleware import OPENAI_PREFIX, APIKeyMiddleware, BodySizeLimitMiddleware, JSONBodyMiddleware, error_body
 from app.openai_api import router as openai_router
@@ -111,6 +113,8 @@ def create_app(settings: Settings) -> FastAPI:
         },
     )
     app.include_router(openai_router)
+    app.include_router(inspect_router)
+    app.mount("/inspect/assets", inspect_assets, name="inspect-assets")
     app.include_router(router)
     _add_middleware(app, settings)
     _document_served_model(app, settings.model_name())
@@ -151,7 +155,7 @@ def _add_middleware(app: FastAPI, settings: Settings) -> None:
     keys = settings.api_keys()
     if keys:
         open_paths = {"/health"} | ({"/metrics"} if settings.public_metrics else set())
-        app.add_middleware(APIKeyMiddleware, keys=keys, open_paths=open_paths)
+        app.add_middleware(APIKeyMiddleware, keys=keys, open_paths=open_paths, browser_paths={"/inspect"})
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(JSONBodyMiddleware)
 

@@ -181,6 +181,10 @@ class LLMEngine:
         """Bytes of KV cache `num_tokens` take at that storage, as the budget counts them (whole blocks)."""
         return self.store.bytes_for(num_tokens, self.store.make_codec(kv_cache_dtype))
 
+    def entry_bytes(self, kv_cache_dtype: str) -> tuple[int, int]:
+        """Bytes of one (layer, token) entry at that storage: FULL, and KEY_ONLY."""
+        return self.store.entry_bytes(self.store.make_codec(kv_cache_dtype))
+
     @property
     def max_cache_bytes(self) -> int:
         return self.store.max_bytes

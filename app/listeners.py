@@ -13,7 +13,9 @@ class CompressionListener:
         self.compression = compression
 
     def finished(self, seq: Sequence) -> None:
-        """Forget it; its metrics, read while its KV is still held, stay on it for its final output."""
+        """Forget it; its metrics and tier history, read while its KV is still held, stay on it for
+        its final output."""
+        seq.tier_history = self.compression.history(seq.seq_id, seq.num_computed)
         seq.compression_metrics = self.compression.release(
             seq.seq_id, seq.num_computed, seq.num_cached_tokens, seq.prefix_parked
         )

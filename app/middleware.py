@@ -6,6 +6,8 @@ on /v1, ours elsewhere).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 import json
 from collections.abc import Iterable
@@ -38,24 +40,37 @@ async def _respond(send: Send, path: str, status: int, type_: str, message: str,
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route but the open ones (401 otherwise)."""
+    """`Authorization: Bearer <key>` on every route but the open ones (401 otherwise). Browser pages
+    (`browser_paths`) may give the key as HTTP Basic's password instead: the 401 asks a browser for
+    it, and the browser then sends it with the page's own requests."""
 
-    def __init__(self, app: ASGIApp, keys: list[str], open_paths: set[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: list[str], open_paths: set[str], browser_paths: set[str]) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys]
         self.open_paths = open_paths
+        self.browser_paths = browser_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        # Compare with every key in constant time, so timing says nothing about near misses.
-        valid = scheme.lower() == b"bearer" and any([hmac.compare_digest(token.strip(), k) for k in self.keys])
-        if not valid:
+        if not self._valid(dict(scope["headers"]).get(b"authorization", b"")):
             message = "a valid API key is required: send it as 'Authorization: Bearer <key>'"
-            return await _respond(send, scope["path"], 401, "unauthorized", message, [(b"www-authenticate", b"Bearer")])
+            challenge = b'Basic realm="CONF-KV"' if scope["path"] in self.browser_paths else b"Bearer"
+            return await _respond(send, scope["path"], 401, "unauthorized", message, [(b"www-authenticate", challenge)])
         return await self.app(scope, receive, send)
+
+    def _valid(self, header: bytes) -> bool:
+        scheme, _, token = header.partition(b" ")
+        token = token.strip()
+        if scheme.lower() == b"basic":  # any user name; the key is the password
+            try:
+                token = base64.b64decode(token, validate=True).partition(b":")[2]
+            except binascii.Error:
+                return False
+        elif scheme.lower() != b"bearer":
+            return False
+        # Compare with every key in constant time, so timing says nothing about near misses.
+        return any([hmac.compare_digest(token, k) for k in self.keys])
 
 
 class BodySizeLimitMiddleware:

@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 from app.detokenizer import IncrementalDetokenizer
 from app.sampler import TokenLogprob
 from app.sequence import Sequence
+from compression.history import TierHistory
 
 
 @dataclass
@@ -27,6 +28,7 @@ class RequestOutput:
     cached_prompt_tokens: int = 0
     error: str | None = None
     compression_metrics: dict | None = None
+    tier_history: TierHistory | None = None  # on the final output of a request that asked (`inspect`)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of new_token_ids, when asked for
 
 
@@ -85,5 +87,6 @@ class Outputs:
             cached_prompt_tokens=seq.num_cached_tokens,
             error=seq.error,
             compression_metrics=asdict(metrics) if metrics is not None else None,
+            tier_history=seq.tier_history if final else None,
             logprobs=logprobs,
         )

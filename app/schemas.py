@@ -37,6 +37,11 @@ class GenerateRequest(_Strict):
     )
     compression: CompressionOptions | None = None
     compression_stats: bool = False
+    inspect: bool = Field(
+        False,
+        description="keep what compression does to this request, layer by layer, for the cache inspector: "
+        "GET /inspect/requests/{id} (kept for the newest requests only)",
+    )
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
@@ -107,3 +112,41 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
+
+
+class LayerTiers(BaseModel):
+    tiers: list[int] = Field(
+        description="run-length over positions 0..num_tokens-1, flat: tier, count, tier, count...; "
+        "tier 0 dropped, 1 KEY_ONLY (key kept, value quantised), 2 FULL"
+    )
+    scores: str | None = Field(
+        description="the policy's score of each position (the forecast under dynamic with a predictor): "
+        "base64 of little-endian float16, NaN where not scored; null when this layer was not scored then"
+    )
+    retention: str | None = Field(description="each position's retention confidence, encoded as `scores`")
+
+
+class CompressionSnapshot(BaseModel):
+    step: int = Field(description="decode steps done")
+    num_tokens: int = Field(description="tokens in the request's cache then")
+    final: bool = Field(description="the state as the request finished, not a compression")
+    layers: list[LayerTiers]
+
+
+class InspectionResponse(BaseModel):
+    """What compression did to one request that asked for it (`inspect`), compression by compression."""
+
+    id: str
+    created: float = Field(description="Unix time the request finished")
+    prompt: str | None = Field(description="the prompt's text (the chat as the template rendered it); null for ids")
+    text: str
+    tokens: list[str] = Field(description="every token, prompt then generated, decoded one by one")
+    num_prompt_tokens: int
+    num_layers: int
+    tiers: dict[int, str] = Field(description="tier codes and their names")
+    entry_bytes: dict[str, int] = Field(description="bytes of one (layer, token) entry: full, key_only")
+    compressions: list[CompressionSnapshot] = Field(
+        description="after the end-of-prefill compression, after each later one, then the final state"
+    )
+    compression_metrics: CompressionMetricsModel | None
+    params: dict = Field(description="the compression settings the request ran under")

@@ -11,6 +11,7 @@ from enum import Enum, StrEnum
 import torch
 
 from compression.compressor import CompressionMetrics
+from compression.history import TierHistory
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     error: str | None = None
     compression_metrics: CompressionMetrics | None = None  # its figures as it finished, for its final output
+    tier_history: TierHistory | None = None  # what compression did, when the request asked (`inspect`)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     generator: torch.Generator = field(init=False, repr=False)

@@ -14,6 +14,7 @@ from starlette.background import BackgroundTask
 from transformers import PreTrainedTokenizerBase
 
 from app.async_engine import AsyncEngine, EngineDeadError
+from app.inspection import InspectionRecord, InspectionStore
 from app.metrics import Metrics
 from app.outputs import RequestOutput
 from app.schemas import CompressionMetricsModel, GenerateRequest, GenerateResponse, StreamChunk, Usage
@@ -44,6 +45,7 @@ class PreparedRequest:
     params: SamplingParams
     compression: CompressionParams
     arrival: float
+    prompt_text: str | None = None  # as given, or as the chat template rendered it; None for token ids
 
     def metrics_of(self, out: RequestOutput) -> CompressionMetricsModel | None:
         if not self.compression.stats or out.compression_metrics is None:
@@ -65,6 +67,9 @@ class GenerateService:
         self.compression_config = core.compression_config
         self.max_cache_bytes = core.max_cache_bytes
         self.kv_bytes_for = core.kv_bytes_for
+        self.entry_bytes = core.entry_bytes
+        self.num_layers = core.store.num_layers
+        self.inspections = InspectionStore(settings.inspect_max_requests, settings.inspect_max_bytes)
         self.draining = False  # set on shutdown: refuse new requests
         # Requests accepted and not finished -> prompt tokens. Reserved when `prepare` accepts, not when the
         # engine first sees the request: a burst is admitted before any of its requests has started.
@@ -89,8 +94,9 @@ class GenerateService:
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.admitted[request_id] = 0
         try:
-            ids = await asyncio.to_thread(self._tokenize, req)
+            ids, text = await asyncio.to_thread(self._tokenize, req)
             prepared = self._check(req, ids, logprobs, request_id, arrival)
+            prepared.prompt_text = text
         except BaseException:
             self.admitted.pop(request_id, None)
             raise
@@ -121,6 +127,7 @@ class GenerateService:
                 req.compression.model_dump(exclude_unset=True) if req.compression else None,
                 server_enabled=self.settings.compression_enabled,
                 stats=req.compression_stats,
+                inspect=req.inspect,
             )
         except InvalidCompression as error:  # valid alone, not over the server's config
             self._refuse(422)
@@ -206,6 +213,7 @@ class GenerateService:
         first: float | None = None
         last: RequestOutput | None = None
         refused = False  # by a stopped engine: the error handler answers and counts it
+        generated: list[RequestOutput] = []  # kept for the inspector only
         try:
             async for out in self.engine.generate(
                 prepared.prompt_token_ids, prepared.params, prepared.request_id, prepared.compression
@@ -213,6 +221,10 @@ class GenerateService:
                 if first is None and out.completion_tokens:
                     first = time.monotonic()
                 last = out
+                if prepared.compression.inspect:
+                    generated.append(out)
+                    if out.tier_history is not None:
+                        self._keep_inspection(prepared, generated)
                 yield out
         except ValueError as exc:
             raise APIError(400, "invalid_request", str(exc)) from exc
@@ -234,13 +246,35 @@ class GenerateService:
                 )
 
     # ----- internals ---------------------------------------------------------------------
+    def _keep_inspection(self, prepared: PreparedRequest, outputs: list[RequestOutput]) -> None:
+        last = outputs[-1]
+        full, key_only = self.entry_bytes(prepared.compression.kv_cache_dtype)
+        params = prepared.compression.model_dump(include={"policy", "compression_rate", "thresholds", "kv_cache_dtype"})
+        params["enabled"] = prepared.compression.active
+        self.inspections.add(
+            InspectionRecord(
+                request_id=prepared.request_id,
+                prompt=prepared.prompt_text,
+                token_ids=prepared.prompt_token_ids + [t for out in outputs for t in out.new_token_ids],
+                num_prompt_tokens=len(prepared.prompt_token_ids),
+                text="".join(out.delta_text for out in outputs),
+                history=last.tier_history,
+                num_layers=self.num_layers,
+                entry_bytes={"full": full, "key_only": key_only},
+                params=params,
+                compression_metrics=last.compression_metrics,
+            )
+        )
+
     async def _collect(self, prepared: PreparedRequest) -> list[RequestOutput]:
         outputs = [out async for out in self.outputs(prepared)]
         if outputs[-1].error is not None:
             raise APIError(500, "engine_error", f"the request failed inside the engine: {outputs[-1].error}")
         return outputs
 
-    def _tokenize(self, req: GenerateRequest) -> list[int]:
+    def _tokenize(self, req: GenerateRequest) -> tuple[list[int], str | None]:
+        """The prompt's token ids, and its text (None for token ids)."""
+        text = req.prompt
         if req.messages is not None:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise APIError(400, "invalid_request", "this model has no chat template; send a prompt instead")
@@ -258,7 +292,7 @@ class GenerateService:
             ids = self.tokenizer(req.prompt).input_ids
         if not ids:
             raise APIError(422, "invalid_request", "the prompt has no tokens")
-        return ids
+        return ids, text
 
     def _refuse(self, status: int) -> None:
         self.metrics.requests.labels(str(status)).inc()

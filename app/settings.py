@@ -77,6 +77,12 @@ class Settings(BaseSettings):
     slo_min_requests: int = Field(
         20, ge=0, description="requests in 5 minutes below which the SLO alerts stay quiet (exported as a gauge)"
     )
+    inspect_max_requests: int = Field(
+        16, ge=0, description="requests whose tier history the cache inspector keeps (newest first; 0: none)"
+    )
+    inspect_max_bytes: int = Field(
+        64 * 2**20, ge=0, description="bytes of tier history the cache inspector keeps at most (oldest dropped first)"
+    )
     shutdown_grace_period: float = Field(
         30.0, ge=0.0, description="on SIGTERM, seconds running requests may take to finish (new ones get 503)"
     )

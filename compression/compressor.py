@@ -20,6 +20,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from compression.config import CompressionParams
+from compression.history import TierHistory
 from compression.kv_store import Keep, KVStore, LayerKV
 from compression.predictor.calibration import Calibration, Source
 from compression.predictor.misses import Dropped
@@ -105,6 +106,7 @@ class SequenceState:
     judged_until: int = 0  # entries below this position were kept by an earlier compression
     compressions: int = 0  # compressions that changed or judged something
     content_bytes_per_token: float | None = None  # per layer: what the thresholds kept at their last judgment
+    history: TierHistory | None = None  # each compression's tiers, for requests that ask (`inspect`)
 
     @property
     def rate(self) -> float:
@@ -128,6 +130,8 @@ class SequenceState:
         self.judged_until = 0
         self.compressions = 0
         self.content_bytes_per_token = None
+        if self.history is not None:
+            self.history.clear()
 
 
 @dataclass
@@ -178,7 +182,8 @@ class Compressor:
 
     # ----- lifecycle ---------------------------------------------------------------------
     def register(self, seq_id: int, params: CompressionParams, prompt_len: int) -> None:
-        self.states[seq_id] = SequenceState(params, params.scorer(), prompt_len)
+        history = TierHistory() if params.inspect else None
+        self.states[seq_id] = SequenceState(params, params.scorer(), prompt_len, history=history)
 
     def preempted(self, seq_id: int) -> None:
         state = self.states.get(seq_id)
@@ -198,7 +203,8 @@ class Compressor:
     def release(
         self, seq_id: int, num_tokens: int, cached_tokens: int = 0, prefix_parked: str | None = None
     ) -> CompressionMetrics | None:
-        """Forget a finishing sequence (call before its cache is freed); return its metrics."""
+        """Forget a finishing sequence (call before its cache is freed); return its metrics. Its tier
+        history, if it keeps one, ends with the state it finished in (`history(seq_id)` before this)."""
         metrics = self.metrics(seq_id, num_tokens, cached_tokens, prefix_parked)
         state = self.states.pop(seq_id, None)
         if state is not None:
@@ -206,6 +212,15 @@ class Compressor:
             if state.misses:
                 self.future_value.misses.save(f"{time.time_ns()}-{seq_id}", list(state.misses.values()))
         return metrics
+
+    def history(self, seq_id: int, num_tokens: int) -> TierHistory | None:
+        """The sequence's tier history, closed with its state now (`num_tokens` processed); None
+        unless it asked for one."""
+        state = self.states.get(seq_id)
+        if state is None or state.history is None:
+            return None
+        self._record(seq_id, num_tokens, state, final=True)
+        return state.history
 
     def metrics(
         self, seq_id: int, num_tokens: int, cached_tokens: int = 0, prefix_parked: str | None = None
@@ -408,8 +423,19 @@ class Compressor:
     ) -> None:
         """Re-tier one sequence; `predicted` (by layer) is the predictor's output, when already computed."""
         self._retier(seq_id, num_tokens, state, predicted)
+        if state.history is not None:
+            self._record(seq_id, num_tokens, state)
         for hook in self.hooks.compressed:
             hook(seq_id, num_tokens, state)
+
+    def _record(self, seq_id: int, num_tokens: int, state: SequenceState, final: bool = False) -> None:
+        if seq_id not in self.store:
+            return  # finished before it held any KV
+        layers = []
+        for layer in range(self.store.num_layers):
+            kv = self.store.layer(seq_id, layer)
+            layers.append((kv.positions[: kv.length], kv.num_key_only))
+        state.history.record(layers, num_tokens, state.decode_steps, final)
 
     def _retier(
         self, seq_id: int, num_tokens: int, state: SequenceState, predicted: dict[int, Forecast] | None
@@ -445,6 +471,8 @@ class Compressor:
             scores = state.policy.score(entries)
             retention = state.policy.retention(entries, scores) if budget.judge else None
             judged.append(_Judged(layer, kv, protected, scores, retention, positions < state.judged_until))
+            if state.history is not None:
+                state.history.scored(layer, positions, scores, retention)
         per_layer = budget.per_layer
         if budget.judge:
             per_layer = self._judge(judged, budget, state, num_tokens)

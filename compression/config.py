@@ -142,6 +142,7 @@ class CompressionParams(CompressionConfig):
 
     enabled: bool = True
     stats: bool = False  # the client asked for compression_metrics: keep an audit of dropped keys
+    inspect: bool = False  # the client asked for the cache inspector: keep the tier history
 
     @property
     def active(self) -> bool:
@@ -152,7 +153,7 @@ class CompressionParams(CompressionConfig):
         """What a cached KV state depends on: reuse it only under the same settings."""
         if not self.active:
             return f"none/{self.kv_cache_dtype}"
-        return self.model_dump_json(exclude={"stats"})
+        return self.model_dump_json(exclude={"stats", "inspect"})
 
     def scorer(self) -> ScorePolicy | None:
         """This request's policy with its options; None for a request that does not compress."""
@@ -190,7 +191,9 @@ class InvalidCompression(ValueError):
         return [".".join(("compression", *map(str, e["loc"]))) for e in self.errors]
 
 
-def resolve(config: CompressionConfig, request: dict | None, server_enabled: bool, stats: bool) -> CompressionParams:
+def resolve(
+    config: CompressionConfig, request: dict | None, server_enabled: bool, stats: bool, inspect: bool = False
+) -> CompressionParams:
     """Request values over config values (`policy_options` and `thresholds` merged key by key);
     `--compression-enabled false` turns everything off. Raises `InvalidCompression`."""
     try:
@@ -215,7 +218,7 @@ def resolve(config: CompressionConfig, request: dict | None, server_enabled: boo
     if not enabled or ("kv_cache_dtype" not in request and merged["policy"] == NO_COMPRESSION):
         merged["kv_cache_dtype"] = "auto"
     try:
-        return CompressionParams.model_validate({**merged, "enabled": enabled, "stats": stats})
+        return CompressionParams.model_validate({**merged, "enabled": enabled, "stats": stats, "inspect": inspect})
     except ValidationError as error:
         raise InvalidCompression.of(error) from None
 
