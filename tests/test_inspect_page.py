@@ -280,13 +280,23 @@ def test_a_real_run_is_drawn_as_the_api_records_it(server, browser, page_errors)
     page.wait_for_function("window.inspector.live !== null")
     assert page.evaluate("inspector.live.capacity") == server.metric("kv_cache_capacity_bytes")
 
-    differ = check_comparison(page, run["response"]["text"], run["plain"]["text"])
-    if SAVE_FIGURES:
+    if not check_comparison(page, run["response"]["text"], run["plain"]["text"]):
+        run = run_on_page(page, 0.95)  # equal at 0.75: a harder squeeze for the marker
+        check_comparison(page, run["response"]["text"], run["plain"]["text"])
+    print(f"\ncompressed: {run['response']['text']!r}\nuncompressed: {run['plain']['text']!r}")
+    if SAVE_FIGURES:  # the whole page in the window (a resize would redraw the map and hide the tooltip)
+        page.set_viewport_size({"width": 1400, "height": page.evaluate("document.body.scrollHeight") + 40})
+        page.wait_for_timeout(500)
+        hover(page, layer, pos)  # the same prompt: the same cell
         RESULTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=RESULTS / "inspect.png", full_page=True)
-    if not differ:  # equal at 0.75: a harder squeeze for the marker
-        run = run_on_page(page, 0.95)
-        check_comparison(page, run["response"]["text"], run["plain"]["text"])
+
+    # The page reopened on the last request's id shows its record.
+    record = httpx.get(f"{server.url}/inspect/requests/{run['id']}", timeout=30).raise_for_status().json()
+    page.goto(f"{server.url}/inspect?id={run['id']}")
+    page.wait_for_function("['done', 'error'].includes(window.inspector.status)", timeout=60_000)
+    assert page.evaluate("inspector.cellCounts()") == tier_counts(record["compressions"][-1])
+    assert page.input_value("#prompt") == record["prompt"]
 
     # A request the server refuses: its message is shown.
     page.fill("#high", "0.5")
