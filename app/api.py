@@ -26,7 +26,7 @@ from app.metrics import Metrics
 from app.middleware import OPENAI_PREFIX, APIKeyMiddleware, BodySizeLimitMiddleware, JSONBodyMiddleware, error_body
 from app.openai_api import router as openai_router
 from app.openai_serving import OpenAIService
-from app.schemas import ErrorResponse, GenerateRequest, GenerateResponse
+from app.schemas import ErrorResponse, GenerateRequest, GenerateResponse, HealthStatus
 from app.serving import APIError, GenerateService
 from app.settings import Settings
 from compression.config import resolve
@@ -195,6 +195,7 @@ def _service(request: Request) -> GenerateService:
 
 
 router = APIRouter()
+_HEALTH_503 = {503: {"model": HealthStatus, "description": "the engine is not serving"}}
 
 
 @router.post("/generate", response_model=GenerateResponse, response_model_exclude_none=True)
@@ -205,15 +206,15 @@ async def generate(body: GenerateRequest, request: Request, service: Annotated[G
     return await service.generate(prepared, request)
 
 
-@router.get("/health")
-async def health(request: Request) -> dict:
+@router.get("/health", response_model=HealthStatus, response_model_exclude_none=True, responses=_HEALTH_503)
+async def health(request: Request):
     engine: AsyncEngine | None = getattr(request.app.state, "engine", None)
     if engine is not None and engine.error is not None:
         return JSONResponse(status_code=503, content={"status": "engine_failed", "error": repr(engine.error)})
     return {"status": "ok"}
 
 
-@router.get("/ready")
+@router.get("/ready", response_model=HealthStatus, response_model_exclude_none=True, responses=_HEALTH_503)
 async def ready(request: Request):
     engine: AsyncEngine | None = getattr(request.app.state, "engine", None)
     if engine is None or not engine.is_running:

@@ -45,7 +45,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         if not finite[row]:
             outputs.append(SampleOutput(None, 0.0, "the model produced non-finite logits"))
             continue
-        token = int(greedy_ids[row]) if p.greedy else _draw(logprobs[row], p, gen)
+        try:
+            token = int(greedy_ids[row]) if p.greedy else _draw(logprobs[row], p, gen)
+        except RuntimeError as exc:  # this request fails alone; the others in the batch go on
+            outputs.append(SampleOutput(None, 0.0, f"sampling failed: {exc}"))
+            continue
         report = _logprob(logits[row], token, p.logprobs) if p.logprobs is not None else None
         outputs.append(SampleOutput(token, float(top_prob[row]), logprob=report))
     return outputs
@@ -69,6 +73,7 @@ def _draw(logprobs: torch.Tensor, p: SamplingParams, generator: torch.Generator)
         cumulative = sorted_lp.softmax(-1).cumsum(-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         drop = cumulative - sorted_lp.softmax(-1) >= p.top_p
+        drop[0] = False  # also when top_p rounds to 0 in fp32
         logprobs = logprobs.scatter(0, order[drop], float("-inf"))
     probs = logprobs.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))

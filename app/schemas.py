@@ -68,9 +68,10 @@ class CompressionMetricsModel(BaseModel):
     )
     hit_rate: float = Field(description="share of prompt tokens whose KV came from the prefix cache")
     prefix_parked: Literal["prompt", "request"] | None = Field(
+        None,
         description="how the reused prefix was parked, both query-agnostic: `prompt`, an earlier prompt's KV "
         "before any compression; `request`, a finished request that dropped and quantised nothing; "
-        "absent without reuse"
+        "absent without reuse",
     )
     recall_rate: float = Field(
         description="share of attention mass, over decode steps, layers and heads, on held entries"
@@ -103,6 +104,11 @@ class StreamChunk(BaseModel):
     usage: Usage | None = None
     compression_metrics: CompressionMetricsModel | None = None
     error: str | None = None
+
+
+class HealthStatus(BaseModel):
+    status: str = Field(description="ok or ready; otherwise (503) engine_failed, not_ready or shutting_down")
+    error: str | None = Field(None, description="why the engine loop stopped (engine_failed)")
 
 
 class ErrorBody(BaseModel):

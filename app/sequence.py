@@ -13,11 +13,15 @@ import torch
 from compression.compressor import CompressionMetrics
 from compression.history import TierHistory
 
+# Below this temperature sampling is greedy: dividing fp32 logits by a smaller one overflows to inf
+# (vLLM's _SAMPLING_EPS), and the distribution is a point mass anyway.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 128
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (below GREEDY_BELOW) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k cut
     seed: int | None = None
@@ -28,7 +32,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 class SequenceStatus(Enum):

@@ -45,6 +45,26 @@ def test_non_finite_logits_fail_only_their_row():
     assert out[1].token_id == 0
 
 
+def test_a_temperature_too_small_for_fp32_samples_greedily():
+    logits = torch.tensor([[0.0, 5.0, 1.0]])
+    out = sample(logits, [SamplingParams(temperature=1e-300)], [gen(0)])  # 0 in fp32: logits / 0 would be inf
+    assert out[0].token_id == 1 and out[0].error is None
+
+
+def test_a_top_p_too_small_for_fp32_keeps_the_most_likely_token():
+    logits = torch.tensor([[0.0, 5.0, 1.0]])
+    out = sample(logits, [SamplingParams(temperature=1.0, top_p=1e-184)], [gen(0)])  # 0 in fp32
+    assert out[0].token_id == 1 and out[0].error is None
+
+
+def test_a_row_whose_draw_fails_fails_alone():
+    # Finite logits that overflow once divided by the temperature: no distribution to draw from.
+    logits = torch.tensor([[3e38, -3e38, 0.0], [1.0, 0.0, 0.0]])
+    out = sample(logits, [SamplingParams(temperature=0.5), SamplingParams(temperature=0.0)], [gen(0), gen(0)])
+    assert out[0].token_id is None and "sampling failed" in out[0].error
+    assert out[1].token_id == 0 and out[1].error is None
+
+
 def test_logprobs_are_the_models_own_before_temperature():
     torch.manual_seed(0)
     logits = torch.randn(2, 50)
