@@ -27,9 +27,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import save_report  # noqa: E402
-from load_tests.monitoring import Alertmanager, Prometheus, WebhookLog, fast_rules, free_port  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
+from load_tests.monitoring import ROOT, Alertmanager, Prometheus, WebhookLog, fast_rules, free_port  # noqa: E402
 
 
 @contextmanager
@@ -95,7 +93,7 @@ def run_locust(host: str, users: int, spawn_rate: float, duration: str, out: Pat
 @contextmanager
 def watched(host: str, workdir: Path) -> Iterator[Callable[[], dict]]:
     """Prometheus and Alertmanager (notifying a webhook log) watching `host`; yields a function
-    that reports what fired so far: alerts by state and the notifications by receiver."""
+    that reports what fired so far, what reached each receiver, and the worst p99 latencies."""
     webhook = WebhookLog(workdir)
     alertmanager = Alertmanager(workdir, webhook.url)
     instance = host.removeprefix("http://")
