@@ -92,14 +92,16 @@ def synthetic_record(
     }
 
 
+def tiers_by_position(runs: list[int]) -> np.ndarray:
+    """A layer's run-length tiers [tier, count, tier, count...] as one tier per position."""
+    return np.repeat(np.array(runs[::2], dtype=np.int8), np.array(runs[1::2], dtype=np.int64))
+
+
 def tier_counts(compression: dict) -> dict[str, int]:
     """Entries by tier in one compression of a record, summed from its runs."""
-    counts = {"full": 0, "key_only": 0, "dropped": 0}
-    names = {FULL: "full", KEY_ONLY: "key_only", DROPPED: "dropped"}
-    for layer in compression["layers"]:
-        for tier, count in zip(layer["tiers"][::2], layer["tiers"][1::2], strict=True):
-            counts[names[tier]] += count
-    return counts
+    tiers = np.concatenate([tiers_by_position(layer["tiers"]) for layer in compression["layers"]])
+    counts = np.bincount(tiers, minlength=3)
+    return {"full": int(counts[FULL]), "key_only": int(counts[KEY_ONLY]), "dropped": int(counts[DROPPED])}
 
 
 def launch_chromium(playwright):

@@ -15,19 +15,16 @@ from app.api import create_app
 from app.engine import run_to_completion
 from app.inspection import InspectionRecord, InspectionStore
 from app.settings import Settings
+from benchmarks.inspect_render import tier_counts, tiers_by_position
 from compression.config import resolve
 from compression.history import FULL, KEY_ONLY, TierHistory, _runs
 from tests.helpers import greedy, make_engine, tiny_model
 
 
-def expand(runs: list[int]) -> np.ndarray:
-    return np.repeat(np.array(runs[0::2], dtype=np.int64), np.array(runs[1::2], dtype=np.int64))
-
-
 @given(st.lists(st.integers(0, 2), max_size=200))
 def test_runs_round_trip(tiers):
     runs = _runs(np.array(tiers, dtype=np.int8)).tolist()
-    assert expand(runs).tolist() == tiers
+    assert tiers_by_position(runs).tolist() == tiers
     assert all(a != b for a, b in zip(runs[0:-2:2], runs[2::2], strict=False))  # maximal runs
 
 
@@ -36,8 +33,8 @@ def test_a_history_records_tiers_scores_and_clears_on_preemption():
     history.scored(1, torch.tensor([0, 2, 3]), torch.tensor([0.5, 0.25, 1.0]), None)
     history.record([(torch.tensor([0, 1, 2, 3]), 0), (torch.tensor([2, 0, 3]), 1)], num_tokens=4, step=3)
     first, second = (layer.to_json() for layer in history.records[0].layers)
-    assert expand(first["tiers"]).tolist() == [FULL] * 4 and first["scores"] is None
-    assert expand(second["tiers"]).tolist() == [FULL, 0, KEY_ONLY, FULL]
+    assert tiers_by_position(first["tiers"]).tolist() == [FULL] * 4 and first["scores"] is None
+    assert tiers_by_position(second["tiers"]).tolist() == [FULL, 0, KEY_ONLY, FULL]
     scores = np.frombuffer(base64.b64decode(second["scores"]), dtype="<f2")
     assert scores[[0, 2, 3]].tolist() == [0.5, 0.25, 1.0] and np.isnan(scores[1])
     assert second["retention"] is None and history.records[0].step == 3
@@ -78,9 +75,8 @@ def test_an_inspected_requests_final_tiers_are_its_answers_entries(tokenizer):
     assert [r.step for r in history.records[:-1]] == [0, 8, 16] and history.records[-1].final
     assert [r.num_tokens for r in history.records] == [200, 208, 216, 219]
     assert not any(r.final for r in history.records[:-1])
-    counts = np.bincount(np.concatenate([expand(layer.tiers.tolist()) for layer in history.records[-1].layers]))
     entries = outputs["seen"][-1].compression_metrics["entries"]
-    assert counts.tolist() == [entries["dropped"], entries["key_only"], entries["full"]]
+    assert tier_counts(history.records[-1].to_json()) == entries
     assert entries["dropped"] > 0 and entries["key_only"] > 0
     assert any(layer.scores is not None for layer in history.records[0].layers)
 
@@ -108,9 +104,7 @@ def test_the_api_keeps_only_opted_in_requests_the_newest_first_and_never_logs_th
     assert seen["compression_metrics"] == third["compression_metrics"]
     assert seen["params"]["policy"] == "snapkv" and seen["entry_bytes"]["full"] > seen["entry_bytes"]["key_only"]
     last = seen["compressions"][-1]
-    counts = np.bincount(np.concatenate([expand(layer["tiers"]) for layer in last["layers"]]), minlength=3)
-    entries = third["compression_metrics"]["entries"]
-    assert counts.tolist() == [entries["dropped"], entries["key_only"], entries["full"]]
+    assert tier_counts(last) == third["compression_metrics"]["entries"]
     assert last["final"] and len(last["layers"]) == seen["num_layers"]
     assert "persimmon" not in caplog.text
 

@@ -23,6 +23,7 @@ from benchmarks.inspect_render import (
     open_page_from_disk,
     synthetic_record,
     tier_counts,
+    tiers_by_position,
 )
 from benchmarks.report import RESULTS
 
@@ -56,8 +57,7 @@ def watch(page, errors: list[str]):
 
 
 def tiers_of(compression: dict, layer: int) -> np.ndarray:
-    runs = compression["layers"][layer]["tiers"]
-    return np.repeat(np.array(runs[::2], dtype=np.int8), runs[1::2])
+    return tiers_by_position(compression["layers"][layer]["tiers"])
 
 
 def values_of(compression: dict, layer: int, field: str) -> np.ndarray | None:
