@@ -12,8 +12,7 @@ collection watch it without replacing its methods.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -167,18 +166,6 @@ class Compressor:
         self.states: dict[int, SequenceState] = {}
         self.audit_bytes = 0
         self.hooks = CompressionHooks()
-        # On CUDA the compression work is queued on its own stream; each side waits for the other's
-        # queued work before touching the buffers they share, so nothing is read half-compacted.
-        self.stream = torch.cuda.Stream(store.device) if store.device.type == "cuda" else None
-
-    @contextmanager
-    def _on_side_stream(self) -> Iterator[None]:
-        if self.stream is None:
-            yield
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.store.device))
-        with torch.cuda.stream(self.stream):
-            yield
 
     # ----- lifecycle ---------------------------------------------------------------------
     def register(self, seq_id: int, params: CompressionParams, prompt_len: int) -> None:
@@ -262,8 +249,6 @@ class Compressor:
     # ----- around the forward pass ---------------------------------------------------------
     def prepare(self, chunks: list[MarkedChunk]) -> None:
         """Mark the chunks whose attention must be observed or audited in this step."""
-        if self.stream is not None:  # the forward pass reads what compression wrote
-            torch.cuda.current_stream(self.store.device).wait_stream(self.stream)
         for chunk in chunks:
             state = self.states.get(chunk.seq_id)
             if state is None or not state.params.active:
@@ -335,14 +320,13 @@ class Compressor:
             if due:
                 ready.append((seq, state))
         if ready:
-            with self._on_side_stream():
-                predicted = self._predict([(seq, state) for seq, state in ready if self._uses_predictor(state)])
-                shared = (time.perf_counter() - started) / len(ready)  # the batched prediction, shared out
-                for seq, state in ready:
-                    began = time.perf_counter()
-                    self.compress(seq.seq_id, seq.num_computed, state, predicted.get(seq.seq_id))
-                    state.steps_since_compression = 0
-                    state.seconds += shared + time.perf_counter() - began
+            predicted = self._predict([(seq, state) for seq, state in ready if self._uses_predictor(state)])
+            shared = (time.perf_counter() - started) / len(ready)  # the batched prediction, shared out
+            for seq, state in ready:
+                began = time.perf_counter()
+                self.compress(seq.seq_id, seq.num_computed, state, predicted.get(seq.seq_id))
+                state.steps_since_compression = 0
+                state.seconds += shared + time.perf_counter() - began
         self._note_ratios(sequences)
         return time.perf_counter() - started
 
@@ -372,8 +356,7 @@ class Compressor:
                 if current >= self.pressure_ceiling:
                     continue
                 state.pressure_rate = min(self.pressure_ceiling, current + self.pressure_step)
-                with self._on_side_stream():
-                    self.compress(seq.seq_id, seq.num_computed, state)
+                self.compress(seq.seq_id, seq.num_computed, state)
                 self.squeezes += 1
                 squeezed = True
                 if self.store.used_bytes < before:
