@@ -30,9 +30,10 @@ from app.schemas import ErrorResponse, GenerateRequest, GenerateResponse, Health
 from app.serving import APIError, GenerateService
 from app.settings import Settings
 from compression.config import resolve
+from compression.kv_store import memory_for_cache
 from compression.predictor.misses import MissLog
 from compression.predictor.online import load_future_value, load_retention, predictor_path
-from models.loader import load_model
+from models.loader import load_model, profile_forward
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ def build_engine(settings: Settings) -> LLMEngine:
     device = settings.resolved_device()
     dtype = None if settings.dtype == "auto" else getattr(torch, settings.dtype)
     model, tokenizer = load_model(settings.model_path, device, dtype)
+    if device.type == "cuda":  # a share of device memory is a share of what the activations leave
+        profile_forward(model, settings.max_num_batched_tokens)
     compression = settings.compression()
     config = EngineConfig(
         max_cache_bytes=settings.max_cache_bytes(),
@@ -52,8 +55,12 @@ def build_engine(settings: Settings) -> LLMEngine:
         lru_k=compression.lru_k,
     )
     log.info(
-        "KV cache budget %.1f MiB; prefix cache %s; compression %s (policy %s, rate %.2f, storage %s)",
+        "KV cache budget %.1f MiB (max_cache_size %s; memory for the cache %.1f MiB, %s); prefix cache %s; "
+        "compression %s (policy %s, rate %.2f, storage %s)",
         config.max_cache_bytes / 2**20,
+        settings.max_cache_size or compression.max_cache_size,
+        memory_for_cache(device) / 2**20,
+        "free after the weights and a forward pass at the largest batch" if device.type == "cuda" else "the system's",
         f"on ({compression.cache_eviction_policy})" if config.prefix_cache else "off",
         "on" if settings.compression_enabled else "off",
         compression.policy,

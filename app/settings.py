@@ -12,7 +12,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from app.schemas import ChatMessage
 from compression.config import DEFAULT_FILE as DEFAULT_COMPRESSION_FILE
 from compression.config import CompressionConfig, parse_size
-from compression.kv_store import device_memory
+from compression.kv_store import memory_for_cache
 from models.default_model import MODEL_NAME
 
 
@@ -141,8 +141,9 @@ class Settings(BaseSettings):
         return CompressionConfig.load(self.compression_config or DEFAULT_COMPRESSION_FILE)
 
     def max_cache_bytes(self) -> int:
-        total = device_memory(self.resolved_device())
-        return parse_size(self.max_cache_size or self.compression().max_cache_size, total)
+        """The KV budget in bytes; on CUDA call it once the model is loaded and warmed up."""
+        size = self.max_cache_size or self.compression().max_cache_size
+        return parse_size(size, memory_for_cache(self.resolved_device()))
 
 
 def load_settings(argv: list[str] | None = None, **overrides) -> Settings:

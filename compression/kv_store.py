@@ -48,11 +48,14 @@ KEYS, VALUES, KEY_ONLY = 0, 1, 2  # the three tables of a (sequence, layer)
 PARKED_META = {"positions": torch.int32, "key_norm": torch.float16}
 
 
-def device_memory(device: torch.device) -> int:
-    """Bytes of memory on `device`, what a max_cache_size percentage is a share of: the GPU's on CUDA,
-    the system's otherwise."""
+def memory_for_cache(device: torch.device) -> int:
+    """Bytes a max_cache_size percentage is a share of. On CUDA, what is free for the cache now: the
+    device's free memory plus what torch's allocator holds unused, less the peak it has allocated
+    (so the activations of the largest forward pass seen keep their room; call it after the weights
+    are loaded and a warm-up forward). Elsewhere the system's memory."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(0, free + torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device))
     return psutil.virtual_memory().total
 
 

@@ -26,7 +26,7 @@ from transformers import Cache, LogitsProcessorList, PreTrainedModel
 from compression.attention import ATTENTION_NAME, PackedBatch, Segment, register_attention
 from compression.compressor import CompressionMetrics, Compressor
 from compression.config import CompressionConfig, parse_size, resolve
-from compression.kv_store import KVStore, device_memory
+from compression.kv_store import KVStore, memory_for_cache
 from compression.predictor.calibration import Calibration, Source
 from compression.predictor.online import FutureValue, load_retention, predictor_path
 
@@ -150,7 +150,7 @@ class DynamicKVCompressor(Cache):
     def _reset(self, model: PreTrainedModel) -> None:
         self.store = KVStore.for_model(
             model,
-            parse_size(self.max_cache_size, device_memory(next(model.parameters()).device)),
+            parse_size(self.max_cache_size, memory_for_cache(next(model.parameters()).device)),
             self.config.key_only_value_bits,
             self.future_value.history_steps if self.future_value else 0,
         )

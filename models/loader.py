@@ -57,3 +57,13 @@ def load_model(
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
+
+
+def profile_forward(model: PreTrainedModel, num_tokens: int) -> None:
+    """One forward pass of `num_tokens` tokens (the most a step runs, one logit row as the engine
+    asks), so that the peak memory of activations is known before the KV budget is taken from what
+    is left."""
+    num_tokens = min(num_tokens, model.config.max_position_embeddings)
+    ids = torch.zeros(1, num_tokens, dtype=torch.long, device=model.device)
+    with torch.inference_mode():
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
