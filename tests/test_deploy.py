@@ -1,14 +1,17 @@
 """Dockerfile, compose stack, Grafana dashboard and alert rules agree with the code and each other.
 
 There is no Docker engine in CI, so these tests read the files: every path they copy or mount
-exists, ports and health checks line up, and every metric a rule or a panel queries is one the
-server really exports.
+exists, ports and health checks line up, both compose profiles (CPU, and GPU by an override file)
+resolve, and every metric a rule or a panel queries is one the server really exports.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
 import tomllib
 
 import pytest
@@ -35,6 +38,40 @@ def dockerfile() -> list[tuple[str, str]]:
 
 def compose() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+CPU_PROFILE = ("docker-compose.yml",)
+GPU_PROFILE = ("docker-compose.yml", "docker-compose.gpu.yml")
+
+
+def has_compose() -> bool:
+    docker = shutil.which("docker")
+    return docker is not None and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0
+
+
+def resolved(files: tuple[str, ...]) -> dict:
+    """The stack as compose resolves these files: `docker compose config` where the docker CLI has
+    compose; otherwise the files merged key by key (later wins) with `${VAR:-default}` substituted."""
+    if has_compose():
+        flags = [arg for name in files for arg in ("-f", name)]
+        out = subprocess.run(
+            ["docker", "compose", *flags, "config", "--format", "json"], cwd=ROOT, check=True, capture_output=True
+        )
+        return json.loads(out.stdout)
+
+    def substitute(text: str) -> str:
+        return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: os.environ.get(m[1], m[2]), text)
+
+    def merge(base: dict, override: dict) -> dict:
+        out = dict(base)
+        for key, value in override.items():
+            out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        return out
+
+    stack: dict = {}
+    for name in files:
+        stack = merge(stack, yaml.safe_load(substitute((ROOT / name).read_text())))
+    return stack
 
 
 def test_dockerfile_is_multi_stage_slim_by_default_non_root_and_healthchecked():
@@ -85,6 +122,26 @@ def test_compose_services_paths_ports_and_health_checks_line_up():
     assert stack["prometheus"]["depends_on"]["alertmanager"]["condition"] == "service_healthy"
     assert "9093:9093" in stack["alertmanager"]["ports"]
     assert any("/-/ready" in part for part in stack["alertmanager"]["healthcheck"]["test"])
+
+
+def test_gpu_profile_builds_for_cuda_reserves_a_gpu_and_changes_only_the_server():
+    cpu, gpu = resolved(CPU_PROFILE)["services"], resolved(GPU_PROFILE)["services"]
+    assert "deploy" not in cpu["server"]
+    assert cpu["server"]["build"]["args"]["TORCH_INDEX_URL"].endswith("/cpu")
+    args = gpu["server"]["build"]["args"]
+    cuda = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-[\w-]*runtime[\w.-]*", args["BASE_IMAGE"])
+    assert cuda, f"{args['BASE_IMAGE']} is not a CUDA runtime image"
+    assert args["TORCH_INDEX_URL"].endswith(f"/cu{cuda[1]}{cuda[2]}"), "torch wheels must match the image's CUDA"
+    devices = gpu["server"]["deploy"]["resources"]["reservations"]["devices"]
+    assert [(d["driver"], int(d["count"]), d["capabilities"]) for d in devices] == [("nvidia", 1, ["gpu"])]
+    environment = gpu["server"]["environment"]
+    assert Settings(device=environment["CONFKV_DEVICE"], max_cache_size=environment["CONFKV_MAX_CACHE_SIZE"])
+    assert environment["CONFKV_DEVICE"] == "cuda"
+    assert {name: service for name, service in gpu.items() if name != "server"} == {
+        name: service for name, service in cpu.items() if name != "server"
+    }
+    declared = {args.split("=")[0] for op, args in dockerfile() if op == "ARG"}
+    assert set(args) <= declared and set(cpu["server"]["build"]["args"]) <= declared
 
 
 def test_prometheus_alerts_the_compose_alertmanager_which_notifies_alert_log():
