@@ -89,6 +89,19 @@ def save_report(
     out.with_suffix(".json").write_text(json.dumps(record, indent=2))
 
 
+def add_placement_options(parser: argparse.ArgumentParser) -> None:
+    """`--device`, `--dtype` and `--model-path`: where a benchmark runs which model. Their defaults
+    (the CPU, the dtype `load_model` picks, the embedded model) are what the results at the top of
+    benchmarks/results were measured with, so a command that gives none of them measures the same."""
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        help="model dtype; default: fp32 on CPU, else the model's",
+    )
+    parser.add_argument("--model-path", type=Path, help="a local Hugging Face model folder; default: the embedded one")
+
+
 def pyplot() -> ModuleType:
     """matplotlib's pyplot, drawing to files only; imported when a benchmark plots, not before."""
     import matplotlib
