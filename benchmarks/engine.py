@@ -49,9 +49,11 @@ def decoding_engine(
     seqs: int,
     prompt_tokens: int,
     max_tokens: int,
+    stats: bool = False,
 ) -> LLMEngine:
     """An engine holding `seqs` requests of `prompt_tokens` corpus tokens each, compressed as `request`
-    asks, to decode `max_tokens` greedy tokens each together (EOS ignored)."""
+    asks, to decode `max_tokens` greedy tokens each together (EOS ignored); with `stats`, each
+    request's last output carries its compression_metrics."""
     config = CompressionConfig()
     engine = LLMEngine(
         model,
@@ -60,7 +62,7 @@ def decoding_engine(
         config,
         future_value,
     )
-    params = resolve(config, request, True, False)
+    params = resolve(config, request, True, stats)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(seqs):
         engine.add_request(str(i), text_of_tokens(tokenizer, prompt_tokens, offset=11 * i), sampling, params)
