@@ -52,7 +52,7 @@ class Provenance:
         return cls(
             commit=commit_of(),
             date=datetime.date.today().isoformat(),
-            command=_command(sys.argv),
+            command=command_line(sys.argv),
             measures=tuple(measures),
             code_digest=code_digest(measures),
             uncommitted=dirty,
@@ -168,8 +168,9 @@ def render_readme(text: str, results: Path = RESULTS) -> str:
     return _BLOCK.sub(block, text)
 
 
-def _command(argv: list[str]) -> str:
-    """The command line as run, paths inside the repository relative to it and others by name."""
+def command_line(argv: list[str]) -> str:
+    """`python` and `argv` as a command line, paths inside the repository relative to it and others
+    by name (a full path would name this machine's folders)."""
     words = []
     for word in argv:
         path = Path(word)
