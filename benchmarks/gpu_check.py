@@ -71,7 +71,7 @@ class Part:
     """One part of the check: what it runs, how long it may take, and how it went."""
 
     name: str
-    command: list[str]  # the interpreter's arguments
+    command: list[str]  # the interpreter's arguments, paths relative to the repository (where it runs)
     limit_s: float
     env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
     status: str = "not run"
@@ -110,8 +110,8 @@ def main() -> None:
             Part(DECODE_16, decode_command(16, placement), LIMITS[DECODE_16]),
             Part(
                 SERVING,
-                [str(ROOT / "benchmarks" / "serving_client.py"), "--headline", "--quick"]
-                + ["--no-generate-batch", *placement, "--out", str(OUT / "serving_http")],
+                ["benchmarks/serving_client.py", "--headline", "--quick", "--no-generate-batch", *placement]
+                + ["--out", relative(OUT / "serving_http")],
                 LIMITS[SERVING],
             ),
             Part(DECODE_64, decode_command(64, placement), 0),
@@ -180,15 +180,21 @@ def cuda_device() -> dict:
 def decode_command(seqs: int, placement: list[str]) -> list[str]:
     """decode_step.py's arguments: off against int8 at each rate, `seqs` x PROMPT_TOKENS, where `placement` says."""
     return [
-        str(ROOT / "benchmarks" / "decode_step.py"),
+        "benchmarks/decode_step.py",
         *placement,
         "--seqs",
         str(seqs),
         "--setups",
         *SETUPS,
         "--out",
-        str(OUT / f"decode_step_{seqs}x{PROMPT_TOKENS}"),
+        relative(OUT / f"decode_step_{seqs}x{PROMPT_TOKENS}"),
     ]
+
+
+def relative(path: Path) -> str:
+    """`path` (in the repository) as the parts are given it: relative, as they run there, so that the
+    commands their results record name no folder of this machine."""
+    return str(path.relative_to(ROOT))
 
 
 def run_part(part: Part, limit_s: float) -> None:
