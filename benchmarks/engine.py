@@ -1,7 +1,9 @@
-"""The model and the engine as the benchmarks run them: on the CPU, with the value predictor the server loads."""
+"""The model and the engine as the benchmarks run them: on the CPU unless told otherwise, with the value
+predictor the server loads."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,16 +24,21 @@ if TYPE_CHECKING:  # names for the annotations only: decode_step.py runs this on
     from compression.predictor.online import FutureValue
 
 CPU = torch.device("cpu")
+KV_BUDGET = 2**34  # bytes of KV an engine here may hold: more than any setup needs, so nothing waits
 
 
 def load_with_predictor(
-    model_path: Path | None, predictor: Path | None = None
+    model_path: Path | None,
+    predictor: Path | None = None,
+    device: torch.device = CPU,
+    dtype: torch.dtype | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, FutureValue | None]:
-    """The model at `model_path` (default: the embedded one) on the CPU, its tokenizer, and the value
-    predictor at `predictor` (default: the model's shipped one), None where there is none."""
-    model, tokenizer = load_model(model_path, CPU)
+    """The model at `model_path` (default: the embedded one) on `device` in `dtype` (None: what
+    `load_model` picks), its tokenizer, and the value predictor at `predictor` (default: the model's
+    shipped one), None where there is none."""
+    model, tokenizer = load_model(model_path, device, dtype)
     path = predictor or predictor_path(model_path)
-    return model, tokenizer, load_future_value(path, model.config, CPU, CompressionConfig().score_interval)
+    return model, tokenizer, load_future_value(path, model.config, device, CompressionConfig().score_interval)
 
 
 def decoding_engine(
@@ -42,27 +49,43 @@ def decoding_engine(
     seqs: int,
     prompt_tokens: int,
     max_tokens: int,
+    stats: bool = False,
 ) -> LLMEngine:
     """An engine holding `seqs` requests of `prompt_tokens` corpus tokens each, compressed as `request`
-    asks, to decode `max_tokens` greedy tokens each together (EOS ignored)."""
+    asks, to decode `max_tokens` greedy tokens each together (EOS ignored); with `stats`, each
+    request's last output carries its compression_metrics."""
     config = CompressionConfig()
     engine = LLMEngine(
         model,
         tokenizer,
-        EngineConfig(max_cache_bytes=2**34, max_num_seqs=seqs, max_num_batched_tokens=2048),
+        EngineConfig(max_cache_bytes=KV_BUDGET, max_num_seqs=seqs, max_num_batched_tokens=2048),
         config,
         future_value,
     )
-    params = resolve(config, request, True, False)
+    params = resolve(config, request, True, stats)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(seqs):
         engine.add_request(str(i), text_of_tokens(tokenizer, prompt_tokens, offset=11 * i), sampling, params)
     return engine
 
 
-def advance(engine: LLMEngine, bar: tqdm) -> None:
-    """One engine step, its new tokens counted on `bar`."""
-    bar.update(sum(len(out.new_token_ids) for out in engine.step()))
+def advance(engine: LLMEngine, bar: tqdm, device: torch.device = CPU) -> float:
+    """One engine step, its new tokens counted on `bar`; returns its duration in host time.
+
+    On the CPU every operation has finished when the step returns, and the engine's own figure is
+    the step. On CUDA it is not: the sampler's copy to the host waits for the forward pass, but the
+    compressor's work is still queued on its own stream when the engine's clock stops, and would be
+    charged to whichever step comes next (in decode_step.py another setup's). There the device is
+    synchronised before the step returns, and the step is timed here up to that point.
+    """
+    started = time.perf_counter()
+    outputs = engine.step()
+    duration = engine.last_step.duration_s
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        duration = time.perf_counter() - started
+    bar.update(sum(len(out.new_token_ids) for out in outputs))
+    return duration
 
 
 def is_pure_decode(stats: StepStats, seqs: int) -> bool:

@@ -52,7 +52,7 @@ class Provenance:
         return cls(
             commit=commit_of(),
             date=datetime.date.today().isoformat(),
-            command=_command(sys.argv),
+            command=command_line(sys.argv),
             measures=tuple(measures),
             code_digest=code_digest(measures),
             uncommitted=dirty,
@@ -87,6 +87,19 @@ def save_report(
     settings = {"args": {k: _text(v) for k, v in given if k not in ("out", "provenance")}} if given else {}
     record = {"provenance": asdict(provenance or Provenance.capture()), **settings, **data}
     out.with_suffix(".json").write_text(json.dumps(record, indent=2))
+
+
+def add_placement_options(parser: argparse.ArgumentParser) -> None:
+    """`--device`, `--dtype` and `--model-path`: where a benchmark runs which model. Their defaults
+    (the CPU, the dtype `load_model` picks, the embedded model) are what the results at the top of
+    benchmarks/results were measured with, so a command that gives none of them measures the same."""
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        help="model dtype; default: fp32 on CPU, else the model's",
+    )
+    parser.add_argument("--model-path", type=Path, help="a local Hugging Face model folder; default: the embedded one")
 
 
 def pyplot() -> ModuleType:
@@ -155,8 +168,9 @@ def render_readme(text: str, results: Path = RESULTS) -> str:
     return _BLOCK.sub(block, text)
 
 
-def _command(argv: list[str]) -> str:
-    """The command line as run, paths inside the repository relative to it and others by name."""
+def command_line(argv: list[str]) -> str:
+    """`python` and `argv` as a command line, paths inside the repository relative to it and others
+    by name (a full path would name this machine's folders)."""
     words = []
     for word in argv:
         path = Path(word)

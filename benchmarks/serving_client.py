@@ -14,6 +14,7 @@ two. Results: benchmarks/results/serving_http.{json,md,png}.
     python benchmarks/serving_client.py --headline
     python benchmarks/serving_client.py --url http://127.0.0.1:8080 --num-prompts 64 --request-rate 2
     python benchmarks/serving_client.py --headline --quick      # a few minutes
+    python benchmarks/serving_client.py --headline --quick --no-generate-batch --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import RESULTS, commit_of, pyplot, save_report  # noqa: E402
+from benchmarks.report import RESULTS, add_placement_options, commit_of, pyplot, save_report  # noqa: E402
 from load_tests.run import served  # noqa: E402
 from models.loader import KVShape  # noqa: E402
 
@@ -172,13 +174,14 @@ def summarise(run: dict, slo_ttft: float, slo_tpot: float) -> dict:
     }
 
 
-def prompt_bodies(num: int, prompt_tokens: int, max_tokens: int, compression: dict | None) -> list[dict]:
+def prompt_bodies(
+    num: int, prompt_tokens: int, max_tokens: int, compression: dict | None, model_path: Path | None = None
+) -> list[dict]:
     from transformers import AutoTokenizer
 
     from benchmarks.corpus import text_of_tokens
-    from models.default_model import default_model_path
 
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(model_folder(model_path))
     bodies = []
     for i in range(num):
         body = {
@@ -193,18 +196,18 @@ def prompt_bodies(num: int, prompt_tokens: int, max_tokens: int, compression: di
     return bodies
 
 
-def run_generate_batch(bodies: list[dict], kv_bytes: float, threads: int) -> dict:
-    """transformers' continuous batching (`generate_batch`) in this process, on the same prompts,
-    its paged KV cache sized to `kv_bytes`: the same budget, without compression."""
-    import torch
+def run_generate_batch(bodies: list[dict], kv_bytes: float, args: argparse.Namespace) -> dict:
+    """transformers' continuous batching (`generate_batch`) in this process, on the same prompts and
+    model, where the server ran it, its paged KV cache sized to `kv_bytes`: the same budget, without
+    compression."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     from models.loader import load_model
 
-    torch.set_num_threads(threads)
-    model, tokenizer = load_model(None, torch.device("cpu"))
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model_path, torch.device(args.device), args.dtype and getattr(torch, args.dtype))
     page_size = 64
-    page_bytes = page_size * token_bytes(model.config)
+    page_bytes = page_size * token_bytes(model.config, model.dtype)
     batching = ContinuousBatchingConfig(page_size=page_size, num_blocks=int(kv_bytes // page_bytes))
     generation = GenerationConfig(
         max_new_tokens=bodies[0]["max_tokens"], do_sample=False, eos_token_id=-1, pad_token_id=tokenizer.pad_token_id
@@ -241,36 +244,68 @@ def run_generate_batch(bodies: list[dict], kv_bytes: float, threads: int) -> dic
     return {"results": results, "wall": wall, "samples": samples}
 
 
-def token_bytes(config) -> int:
-    """KV bytes of one token over all layers, at fp32 (the CPU default)."""
+def token_bytes(config, dtype: torch.dtype = torch.float32) -> int:
+    """KV bytes of one token over all layers, held in `dtype` (fp32: the CPU default)."""
     shape = KVShape.of(config)
-    return shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * 4
+    return shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * dtype.itemsize
+
+
+def model_folder(model_path: Path | None) -> Path:
+    """The model the server is started with: `model_path`, or the embedded one."""
+    from models.default_model import default_model_path
+
+    return model_path or default_model_path()
+
+
+def served_dtype(args: argparse.Namespace) -> torch.dtype:
+    """The dtype the started server holds the model and its uncompressed KV in: `--dtype`, else what
+    `load_model` picks (fp32 on CPU, the checkpoint's dtype elsewhere)."""
+    if args.dtype:
+        return getattr(torch, args.dtype)
+    if args.device == "cpu":
+        return torch.float32
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(model_folder(args.model_path)), "dtype", None) or torch.float32
+
+
+def server_flags(args: argparse.Namespace) -> list[str]:
+    """Flags for the server started here: CPU threads, the device, and the model and its dtype where
+    given (else the embedded model, in the dtype `load_model` picks)."""
+    flags = [f"--torch-threads={args.threads}", "--log-level=warning", f"--device={args.device}"]
+    flags += [f"--dtype={args.dtype}"] if args.dtype else []
+    return flags + ([f"--model-path={args.model_path}"] if args.model_path else [])
+
+
+def placement(args: argparse.Namespace) -> str:
+    """The model, dtype and device the server ran, as the report says it."""
+    dtype = served_dtype(args)
+    model = args.model_path.name if args.model_path else "default model"
+    where = f"{args.threads} CPU threads" if args.device == "cpu" else f"on {args.device}"
+    return f"{model}, {'fp32' if dtype == torch.float32 else str(dtype).removeprefix('torch.')}, {where}"
 
 
 def headline(args) -> None:
     from transformers import AutoConfig
 
-    from models.default_model import default_model_path
-
-    config = AutoConfig.from_pretrained(default_model_path())
-    budget_mb = args.fit * (args.prompt_tokens + args.max_tokens + 32) * token_bytes(config) / 1e6
+    config = AutoConfig.from_pretrained(model_folder(args.model_path))
+    budget_mb = args.fit * (args.prompt_tokens + args.max_tokens + 32) * token_bytes(config, served_dtype(args)) / 1e6
     modes = {"compression off": {"enabled": False}, "dynamic 0.6": {"policy": "dynamic", "compression_rate": 0.6}}
     summaries, runs = {}, {}
     for name, compression in modes.items():
         flags = [
             f"--max-cache-size={budget_mb:.0f}MB",
             f"--max-num-seqs={args.num_prompts}",
-            f"--torch-threads={args.threads}",
             "--enable-prefix-cache=false",
-            "--log-level=warning",
+            *server_flags(args),
         ]
-        bodies = prompt_bodies(args.num_prompts, args.prompt_tokens, args.max_tokens, compression)
+        bodies = prompt_bodies(args.num_prompts, args.prompt_tokens, args.max_tokens, compression, args.model_path)
         with served(None, flags) as (url, _):
             runs[name] = asyncio.run(run_load(url, bodies, float("inf"), args.num_prompts, args.seed))
         summaries[name] = summarise(runs[name], args.slo_ttft, args.slo_tpot)
     if args.generate_batch:
-        bodies = prompt_bodies(args.num_prompts, args.prompt_tokens, args.max_tokens, None)
-        runs[GENERATE_BATCH] = run_generate_batch(bodies, budget_mb * 1e6, args.threads)
+        bodies = prompt_bodies(args.num_prompts, args.prompt_tokens, args.max_tokens, None, args.model_path)
+        runs[GENERATE_BATCH] = run_generate_batch(bodies, budget_mb * 1e6, args)
         summaries[GENERATE_BATCH] = summarise(runs[GENERATE_BATCH], args.slo_ttft, args.slo_tpot)
     setup = (
         f"{args.num_prompts} concurrent requests of {args.prompt_tokens}-token prompts, {args.max_tokens} greedy "
@@ -298,7 +333,7 @@ def answer_agreement(runs: dict, count: int) -> dict:
 
 def report(summaries: dict, runs: dict, args, setup: str, agreement: dict | None) -> None:
     lines = [
-        f"{setup}; default model, fp32, {args.threads} CPU threads. SLO for goodput: TTFT <= {args.slo_ttft:.0f} s "
+        f"{setup}; {placement(args)}. SLO for goodput: TTFT <= {args.slo_ttft:.0f} s "
         f"and TPOT <= {args.slo_tpot:.2f} s. Commit {commit_of()}.",
         "",
         "| mode | errors | peak running | mean running | req/s | output tok/s | goodput req/s | "
@@ -374,7 +409,8 @@ def main() -> None:
     parser.add_argument("--fit", type=int, default=8, help="headline: uncompressed requests the budget holds")
     parser.add_argument("--slo-ttft", type=float, default=60.0)
     parser.add_argument("--slo-tpot", type=float, default=0.5)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads for torch")
+    add_placement_options(parser)
     parser.add_argument("--check-answers", type=int, default=4, help="headline: answers compared off against on")
     parser.add_argument(
         "--no-generate-batch",
@@ -391,8 +427,8 @@ def main() -> None:
     if args.headline:
         headline(args)
         return
-    bodies = prompt_bodies(args.num_prompts, args.prompt_tokens, args.max_tokens, args.compression)
-    with served(args.url, [f"--torch-threads={args.threads}", "--log-level=warning"]) as (url, _):
+    bodies = prompt_bodies(args.num_prompts, args.prompt_tokens, args.max_tokens, args.compression, args.model_path)
+    with served(args.url, server_flags(args)) as (url, _):
         run = asyncio.run(run_load(url, bodies, args.request_rate, args.max_concurrency, args.seed))
     rate = "all at once" if args.request_rate == float("inf") else f"Poisson at {args.request_rate}/s"
     setup = (

@@ -18,6 +18,8 @@ from app.sequence import SamplingParams
 from compression.attention import Segment
 from compression.config import CompressionConfig
 from compression.kv_store import KVStore
+from compression.paged_attention import PoolTensors
+from compression.quant import quantize
 from load_tests.monitoring import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,6 +71,21 @@ def fill_store(store: KVStore, seq_id: int, n: int, start: int = 0, keys=None) -
         else:
             k = keys(layer)
         store.write(layer, plan, k, -k)
+
+
+def make_pool(
+    fmt: str, num_blocks: int, kv_heads: int, block_size: int, head_dim: int, gen: torch.Generator
+) -> PoolTensors:
+    """A pool whose codes and parameters come from quantising random vectors, as the KV store writes them."""
+    x = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    # Per-vector offsets and magnitudes, so int4 minima and scales vary.
+    x = x * torch.rand(num_blocks, block_size, kv_heads, 1, generator=gen).mul(2).add(0.1)
+    x = x + torch.randn(num_blocks, block_size, kv_heads, 1, generator=gen) * 0.5
+    if fmt in ("float32", "float16", "bfloat16"):
+        return PoolTensors(x.to(getattr(torch, fmt)), None, fmt)
+    q = quantize(x, 8 if fmt == "int8" else 4)
+    params = q.scale.unsqueeze(-1) if fmt == "int8" else torch.stack((q.scale, q.minimum), dim=-1)
+    return PoolTensors(q.codes, params, fmt)
 
 
 def make_engine(model, tokenizer, max_cache_bytes: int = 2**30, compression: dict | None = None, **kwargs) -> LLMEngine:

@@ -17,12 +17,11 @@ from compression.paged_attention import (
     FORMAT_CODES,
     DecodeBatch,
     DecodeResult,
-    PoolTensors,
     decode_attention,
     decode_attention_reference,
     kernel_arguments,
 )
-from compression.quant import quantize
+from tests.helpers import make_pool
 
 FORMATS = list(FORMAT_CODES)
 
@@ -34,19 +33,6 @@ def kernel():
     module = kernels.load_kernel()
     assert module is not None, "the kernel did not build (see the warning logged above)"
     return module
-
-
-def make_pool(fmt: str, num_blocks: int, kv_heads: int, block_size: int, head_dim: int, gen: torch.Generator):
-    """A pool whose codes and parameters come from quantising random vectors, as the KV store writes them."""
-    x = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
-    # Per-vector offsets and magnitudes, so int4 minima and scales vary.
-    x = x * torch.rand(num_blocks, block_size, kv_heads, 1, generator=gen).mul(2).add(0.1)
-    x = x + torch.randn(num_blocks, block_size, kv_heads, 1, generator=gen) * 0.5
-    if fmt in ("float32", "float16", "bfloat16"):
-        return PoolTensors(x.to(getattr(torch, fmt)), None, fmt)
-    q = quantize(x, 8 if fmt == "int8" else 4)
-    params = q.scale.unsqueeze(-1) if fmt == "int8" else torch.stack((q.scale, q.minimum), dim=-1)
-    return PoolTensors(q.codes, params, fmt)
 
 
 @st.composite

@@ -1,0 +1,239 @@
+"""The CUDA paths, against the CPU: decode attention at the embedded model's sizes, greedy generation
+with compression off and on, and the same generation under torch's CUDA sanitizer.
+
+They run only where `torch.cuda.is_available()` (`make gpu-check` runs them, `pytest -m cuda` selects
+them) and are skipped elsewhere. On CUDA the decode step reads the block pools through the same
+interface as on the CPU, and the compressor queues its work on a stream of its own; these are what
+a CPU-only test suite cannot see.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from app.engine import run_to_completion
+from benchmarks.engine import decoding_engine, load_with_predictor
+from compression.kv_store import BLOCK_SIZE
+from compression.paged_attention import (
+    FORMAT_CODES,
+    DecodeBatch,
+    PoolTensors,
+    decode_attention,
+    decode_attention_reference,
+)
+from models.loader import KVShape
+from tests.helpers import ROOT, make_pool, tokens_of
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: run make gpu-check on a GPU machine"),
+]
+
+CUDA = torch.device("cuda")
+CPU = torch.device("cpu")
+ROWS, KEYS = 16, 2000  # decode rows and keys per row, as the decode-step benchmark runs them
+# Greedy runs: a few corpus prompts decoding together, long enough for a compression during decoding.
+SEQS, PROMPT_TOKENS, MAX_TOKENS = 4, 600, 24
+OFF = {"policy": "none", "compression_rate": 0.0}
+INT8_075 = {"policy": "dynamic", "compression_rate": 0.75, "kv_cache_dtype": "int8"}
+# bf16 keeps 8 bits of mantissa: over 600-token prompts it moves this model's logits by up to about 1
+# against fp32 (CPU, measured), and where its greedy choice differs fp32 rated the two tokens within
+# about 0.2 of each other. A cache read wrongly (a wrong block, position or scale) moves them by more.
+BF16_DRIFT = 1.0
+
+
+@dataclass
+class Generated:
+    tokens: list[int]
+    logits: list[torch.Tensor]  # on the CPU, the logits each token was chosen from (when kept)
+    metrics: dict | None
+
+
+# ----- decode attention at the model's sizes ------------------------------------------------
+
+
+def real_batch(config, key_only_format: str, gen: torch.Generator) -> DecodeBatch:
+    """ROWS rows of up to KEYS keys at the model's head counts and size, spread over every storage
+    format, some rows with KEY_ONLY entries, every other row observed; tables share blocks at random."""
+    shape = KVShape.of(config)
+    formats = list(FORMAT_CODES)
+    blocks = 2 * -(-KEYS // BLOCK_SIZE)
+    pools = [make_pool(fmt, blocks, shape.num_kv_heads, BLOCK_SIZE, shape.head_dim, gen) for fmt in formats]
+    pools.append(make_pool(key_only_format, blocks, shape.num_kv_heads, BLOCK_SIZE, shape.head_dim, gen))
+    rows = torch.arange(ROWS)
+    num_keys = KEYS - 7 * rows  # the first row holds KEYS exactly
+    num_key_only = (rows % 3) * num_keys // 4  # none, a quarter, a half
+    width = -(-KEYS // BLOCK_SIZE)
+
+    def table(entries: torch.Tensor) -> torch.Tensor:
+        t = torch.randint(0, blocks, (ROWS, width), generator=gen, dtype=torch.int32)
+        for slot, n in enumerate(entries.tolist()):
+            t[slot, -(-n // BLOCK_SIZE) :] = -1
+        return t
+
+    observed = rows[::2]
+    observe_index = torch.full((ROWS,), -1, dtype=torch.int32)
+    observe_index[observed] = torch.arange(len(observed) - 1, -1, -1, dtype=torch.int32)
+    return DecodeBatch(
+        query=torch.randn(ROWS, config.num_attention_heads, shape.head_dim, generator=gen) * 2,
+        pools=pools,
+        row_slot=torch.randperm(ROWS, generator=gen).int(),
+        row_pool=(rows % len(formats)).int(),
+        key_only_pool=len(pools) - 1,
+        key_tables=table(num_keys),
+        value_tables=table(num_keys - num_key_only),
+        key_only_tables=table(num_key_only),
+        num_keys=num_keys.int(),
+        num_key_only=num_key_only.int(),
+        block_size=BLOCK_SIZE,
+        scale=shape.head_dim**-0.5,
+        observe_index=observe_index,
+        num_observed=len(observed),
+    )
+
+
+def to_device(batch: DecodeBatch, device: torch.device) -> DecodeBatch:
+    """The same batch with every tensor on `device`."""
+    pools = [
+        PoolTensors(p.data.to(device), None if p.params is None else p.params.to(device), p.format) for p in batch.pools
+    ]
+    tensors = {
+        f.name: value.to(device)
+        for f in dataclasses.fields(batch)
+        if isinstance(value := getattr(batch, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(batch, pools=pools, **tensors)
+
+
+@pytest.mark.parametrize("key_only_format", ["int4", "int8"])
+def test_decode_attention_on_cuda_matches_the_cpu_reference(default_path, key_only_format):
+    batch = real_batch(AutoConfig.from_pretrained(default_path), key_only_format, torch.Generator().manual_seed(0))
+    got = decode_attention(to_device(batch, CUDA))
+    want = decode_attention_reference(batch)
+    assert got.out.device.type == "cuda"
+    # Both in fp32, summed in another order over 2000 keys: agreement to about 1e-5 relative. A wrong
+    # block, offset, scale or head would be off by whole units.
+    torch.testing.assert_close(got.out.cpu(), want.out, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(got.lse.cpu(), want.lse, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(got.observed.cpu(), want.observed, rtol=1e-3, atol=1e-6)
+
+
+# ----- greedy generation on CUDA against the CPU -------------------------------------------------
+
+
+def generate(
+    model, tokenizer, future_value, request: dict, keep_logits: bool = False, seqs: int = SEQS
+) -> list[Generated]:
+    """`seqs` corpus prompts decoded together by the engine as the benchmarks build it (greedy, EOS
+    ignored), compressed as `request` asks: their tokens, compression_metrics and, if asked, logits."""
+    engine = decoding_engine(model, tokenizer, future_value, request, seqs, PROMPT_TOKENS, MAX_TOKENS, stats=True)
+    seq_ids = {request_id: seq.seq_id for request_id, seq in engine.outputs.requests.items()}
+    logits: dict[int, list[torch.Tensor]] = defaultdict(list)
+
+    def keep(chunks, rows: torch.Tensor) -> None:
+        for chunk, row in zip([c for c in chunks if c.needs_logits], rows, strict=True):
+            logits[chunk.seq_id].append(row.float().cpu())
+
+    if keep_logits:
+        engine.runner.after_forward.append(keep)
+    with torch.inference_mode():
+        outputs = run_to_completion(engine)
+    assert [(outs[-1].finish_reason, outs[-1].error) for outs in outputs.values()] == [("length", None)] * seqs
+    assert engine.store.used_bytes == 0
+    return [
+        Generated(tokens_of(outputs[i]), logits[seq_ids[i]], outputs[i][-1].compression_metrics)
+        for i in sorted(outputs, key=int)
+    ]
+
+
+def assert_within_drift(got: list[int], want: Generated) -> None:
+    """`got` follows `want`'s tokens until they first differ, and there `want`'s own logits rated
+    `got`'s token within BF16_DRIFT of its choice: a near-tie that bf16 may tip, not a wrong step."""
+    assert len(got) == len(want.tokens)
+    for t, (a, b) in enumerate(zip(got, want.tokens, strict=True)):
+        if a != b:
+            margin = float(want.logits[t][b] - want.logits[t][a])
+            assert margin < BF16_DRIFT, f"token {t}: {a} on CUDA, {b} on CPU, which rated it {margin:.2f} lower"
+            return
+
+
+@pytest.fixture(scope="module", autouse=True)
+def every_core() -> Iterator[None]:
+    """The CPU runs are the references of the CUDA ones: on a GPU machine they take every core (the
+    suite's two would spend most of `make gpu-check`'s time on them)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or before)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def bf16():
+    """The embedded model and its value predictor in bf16: on CUDA, and on the CPU to compare with."""
+    return {device.type: load_with_predictor(None, device=device, dtype=torch.bfloat16) for device in (CUDA, CPU)}
+
+
+@pytest.mark.slow
+def test_greedy_tokens_on_cuda_in_bf16_follow_the_cpu_run_in_fp32(default_model, tokenizer, bf16):
+    want = generate(default_model, tokenizer, None, OFF, keep_logits=True)
+    got = generate(*bf16["cuda"], OFF)
+    for g, w in zip(got, want, strict=True):
+        assert_within_drift(g.tokens, w)
+
+
+@pytest.mark.slow
+def test_compression_on_cuda_holds_what_it_holds_on_the_cpu(bf16):
+    """int8 at rate 0.75, both in bf16 so that both budgets are the same bytes. Which entries each
+    keeps may differ where bf16 tips a score, so the tokens are compared only up to the first
+    compression (the first token, from the prefill); how much each holds is set by the budget."""
+    want = generate(*bf16["cpu"], INT8_075, keep_logits=True)
+    got = generate(*bf16["cuda"], INT8_075)
+    for g, w in zip(got, want, strict=True):
+        assert_within_drift(g.tokens[:1], dataclasses.replace(w, tokens=w.tokens[:1]))
+        assert len(g.tokens) == MAX_TOKENS
+        on, off = g.metrics, w.metrics
+        assert on["policy"] == off["policy"] == "dynamic"
+        assert on["original_size"] == off["original_size"] and on["ceiling_size"] == off["ceiling_size"]
+        assert sum(on["entries"].values()) == sum(off["entries"].values())
+        assert on["entries"]["dropped"] > 0  # int8 alone holds about half the bf16 bytes; 0.75 needs drops
+        # Held bytes follow the budget, which both share: ratio and tiers agree to a few percent, however
+        # bf16 ranked the entries (between prompts they differ by about as much).
+        assert abs(on["compression_ratio"] - off["compression_ratio"]) < 0.05
+        total = sum(off["entries"].values())
+        for tier in ("full", "key_only", "dropped"):
+            assert abs(on["entries"][tier] - off["entries"][tier]) <= 0.05 * total, tier
+
+
+def generate_both_on_cuda() -> None:
+    """The CUDA runs of the two tests above, compression off and on, with fewer sequences (what the
+    sanitizer test runs: it checks every kernel launch from Python, which is slow)."""
+    model = load_with_predictor(None, device=CUDA, dtype=torch.bfloat16)
+    for request in (OFF, INT8_075):
+        generate(*model, request, seqs=2)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.slow
+def test_generation_on_cuda_passes_the_cuda_sanitizer():
+    """torch's CUDA sanitizer (CSAN) checks every kernel's reads and writes across streams: the
+    compressor's side stream and the forward pass's must be ordered by the waits between them."""
+    run = subprocess.run(
+        [sys.executable, "-c", "from tests.test_cuda import generate_both_on_cuda; generate_both_on_cuda()"],
+        cwd=ROOT,
+        env={**os.environ, "TORCH_CUDA_SANITIZER": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "CSAN" not in run.stderr, run.stderr[-4000:]
