@@ -74,8 +74,8 @@ def advance(engine: LLMEngine, bar: tqdm, device: torch.device = CPU) -> float:
 
     On the CPU every operation has finished when the step returns, and the engine's own figure is
     the step. On CUDA it is not: the sampler's copy to the host waits for the forward pass, but the
-    compressor's work is still queued on its own stream when the engine's clock stops, and would be
-    charged to whichever step comes next (in decode_step.py another setup's). There the device is
+    compressor's last kernels (the compaction's copies) may still be queued when the engine's clock
+    stops, and would be charged to whichever step comes next (in decode_step.py another setup's). There the device is
     synchronised before the step returns, and the step is timed here up to that point.
     """
     started = time.perf_counter()

@@ -3,8 +3,9 @@ with compression off and on, and the same generation under torch's CUDA sanitize
 
 They run only where `torch.cuda.is_available()` (`make gpu-check` runs them, `pytest -m cuda` selects
 them) and are skipped elsewhere. On CUDA the decode step reads the block pools through the same
-interface as on the CPU, and the compressor queues its work on a stream of its own; these are what
-a CPU-only test suite cannot see.
+interface as on the CPU, the KV budget is taken from the memory the weights and a forward pass at
+the largest batch leave free, and every kernel must stay on one stream (the sanitizer would see any
+unordered use across streams); these are what a CPU-only test suite cannot see.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from app.api import build_engine
 from app.engine import run_to_completion
+from app.settings import Settings
 from benchmarks.engine import decoding_engine, load_with_predictor
 from compression.kv_store import BLOCK_SIZE
 from compression.paged_attention import (
@@ -225,8 +228,8 @@ def generate_both_on_cuda() -> None:
 
 @pytest.mark.slow
 def test_generation_on_cuda_passes_the_cuda_sanitizer():
-    """torch's CUDA sanitizer (CSAN) checks every kernel's reads and writes across streams: the
-    compressor's side stream and the forward pass's must be ordered by the waits between them."""
+    """torch's CUDA sanitizer (CSAN) checks every kernel's reads and writes across streams: nothing
+    in a step (forward pass, sampling, compression) may touch a tensor from an unordered stream."""
     run = subprocess.run(
         [sys.executable, "-c", "from tests.test_cuda import generate_both_on_cuda; generate_both_on_cuda()"],
         cwd=ROOT,
@@ -237,3 +240,16 @@ def test_generation_on_cuda_passes_the_cuda_sanitizer():
     )
     assert run.returncode == 0, run.stderr[-4000:]
     assert "CSAN" not in run.stderr, run.stderr[-4000:]
+
+
+def test_a_share_of_cuda_memory_is_a_share_of_what_the_weights_and_activations_leave():
+    """`max_cache_size: 50%` on CUDA: half of the memory free once the model is loaded and a forward
+    pass of the largest step has run (its activation peak stays available), and the server starts."""
+    settings = Settings(device="cuda", max_cache_size="50%", max_num_batched_tokens=2048)
+    torch.cuda.reset_peak_memory_stats(CUDA)
+    engine = build_engine(settings)
+    free, _ = torch.cuda.mem_get_info(CUDA)
+    unused = free + torch.cuda.memory_reserved(CUDA) - torch.cuda.memory_allocated(CUDA)
+    peak_activations = torch.cuda.max_memory_allocated(CUDA) - torch.cuda.memory_allocated(CUDA)
+    assert peak_activations > 0, "the forward pass at the largest batch did not run before the budget"
+    assert engine.max_cache_bytes == pytest.approx((unused - peak_activations) / 2, rel=0.02)
