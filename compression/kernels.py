@@ -1,11 +1,14 @@
-"""Builds and loads the C++ decode-attention kernel (`compression/csrc/paged_attention.cpp`).
+"""Builds and loads the C++ decode-attention kernel (`compression/csrc/paged_attention.cpp`), and says
+whether the Triton kernels (`compression.triton_attention`, `compression.triton_blocks`) serve a device.
 
 The extension is compiled once per torch version into `$CONFKV_EXTENSION_DIR`, by default
 `~/.cache/conf-kv/extensions/<torch version>`; it needs g++ and ninja. `python -m compression.kernels`
 builds it ahead of time. Once built, it is imported directly (no compiler, ninja or write access
 needed, as in a container run by another user) as long as a stamp beside it matches the source, torch
 and Python. Without it, decode attention runs the PyTorch reference; so it does with
-`CONFKV_DISABLE_KERNEL=1`, for tests of the fallback and for benchmarks that compare the two.
+`CONFKV_DISABLE_KERNEL=1`, for tests of the fallback and for benchmarks that compare the two. On CUDA
+the Triton kernels serve when triton imports, unless `CONFKV_DISABLE_KERNEL=1` (then the reference
+and the torch block writes do).
 """
 
 from __future__ import annotations
@@ -90,11 +93,31 @@ def _built() -> ModuleType | None:
         return None
 
 
+def disabled() -> bool:
+    """Whether `CONFKV_DISABLE_KERNEL=1` asks for the PyTorch paths instead of any kernel."""
+    return os.environ.get("CONFKV_DISABLE_KERNEL") == "1"
+
+
 def load_kernel() -> ModuleType | None:
     """The compiled kernel module, built on first use; None when disabled or when it cannot be built."""
-    if os.environ.get("CONFKV_DISABLE_KERNEL") == "1":
+    if disabled():
         return None
     return _built()
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # a broken install fails in several ways, not only with ImportError
+        log.warning("CUDA tensors take the PyTorch paths (slower): triton does not import (%s)", exc)
+        return False
+    return True
+
+
+def triton_enabled(device: torch.device) -> bool:
+    """Whether the Triton kernels serve tensors on `device`: CUDA, with triton importable, unless disabled."""
+    return device.type == "cuda" and not disabled() and _triton_importable()
 
 
 def main() -> int:

@@ -19,12 +19,16 @@ or int8/int4 codes with their scales). This interface is what a kernel takes, on
 
 The C++ kernel (`compression/csrc/paged_attention.cpp`, built by `python -m compression.kernels`
 or at first use) runs it on CPU with an online softmax over blocks, in parallel over rows and KV
-heads. Without a compiler, or on another device, the reference below runs instead.
+heads. On CUDA, when triton imports, the Triton kernel (`compression.triton_attention`) runs it: one
+program per (row, KV head), each pair of pool formats compiled on its own, the observed
+probabilities in a second pass. Without a compiler on CPU, on another device, or with
+`CONFKV_DISABLE_KERNEL=1`, the reference below runs instead.
 
-The kernel takes the pools' tensors as they are (contiguous; `kernel_arguments` copies any that are
-not, which for a whole pool is costly) and raises on a table naming a block outside its pool, a slot
-or pool index out of range, or two rows with the same `observe_index`. A sequence with no entries
-gets zeros for its output and -inf for its lse.
+The kernels take the pools' tensors as they are (contiguous; `kernel_arguments` copies any that are
+not, which for a whole pool is costly) and raise on a table naming a block outside its pool, a slot
+or pool index out of range, or two rows with the same `observe_index` (the Triton kernel checks on
+the device and reads the verdict with the rows' pools, in the one copy to the host it needs). A
+sequence with no entries gets zeros for its output and -inf for its lse.
 """
 
 from __future__ import annotations
@@ -156,11 +160,17 @@ def kernel_arguments(batch: DecodeBatch) -> tuple:
 
 
 def decode_attention(batch: DecodeBatch) -> DecodeResult:
-    """Decode attention for one layer: the C++ kernel on CPU when it is built, else the reference."""
+    """Decode attention for one layer: the Triton kernel on CUDA, the C++ kernel on CPU when it is built,
+    else the reference."""
     # Imported here: `import compression` reaches this module, and `python -m compression.kernels` must
     # not find its own module already imported.
-    from compression.kernels import load_kernel
+    from compression.kernels import load_kernel, triton_enabled
 
+    if triton_enabled(batch.query.device):
+        from compression.triton_attention import decode_attention_triton
+
+        with torch.profiler.record_function(KERNEL_EVENT):
+            return decode_attention_triton(batch)
     kernel = load_kernel() if batch.query.device.type == "cpu" else None
     if kernel is None:
         return decode_attention_reference(batch)

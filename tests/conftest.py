@@ -1,12 +1,19 @@
 from __future__ import annotations
 
-import pytest
-import torch
-from transformers import AutoTokenizer
+import os
 
-from models.default_model import default_model_path
-from models.loader import load_model
-from tests.helpers import LiveServer, tiny_model
+# The Triton kernels' tests run them on CPU tensors under Triton's interpreter. Triton reads the variable
+# when a function is decorated, its own library's included, and torch imports triton along with
+# transformers' models: so it is set before anything is imported.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from models.default_model import default_model_path  # noqa: E402
+from models.loader import load_model  # noqa: E402
+from tests.helpers import LiveServer, tiny_model  # noqa: E402
 
 torch.set_num_threads(2)
 

@@ -1,4 +1,5 @@
-"""Shared test helpers: tiny random models, a live server on loopback, reference generation."""
+"""Shared test helpers: tiny random models, a live server on loopback, reference generation, random
+block pools and decode batches."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from app.engine import EngineConfig, LLMEngine
@@ -18,7 +20,7 @@ from app.sequence import SamplingParams
 from compression.attention import Segment
 from compression.config import CompressionConfig
 from compression.kv_store import KVStore
-from compression.paged_attention import PoolTensors
+from compression.paged_attention import FORMAT_CODES, DecodeBatch, DecodeResult, PoolTensors
 from compression.quant import quantize
 from load_tests.monitoring import free_port
 
@@ -71,21 +73,6 @@ def fill_store(store: KVStore, seq_id: int, n: int, start: int = 0, keys=None) -
         else:
             k = keys(layer)
         store.write(layer, plan, k, -k)
-
-
-def make_pool(
-    fmt: str, num_blocks: int, kv_heads: int, block_size: int, head_dim: int, gen: torch.Generator
-) -> PoolTensors:
-    """A pool whose codes and parameters come from quantising random vectors, as the KV store writes them."""
-    x = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
-    # Per-vector offsets and magnitudes, so int4 minima and scales vary.
-    x = x * torch.rand(num_blocks, block_size, kv_heads, 1, generator=gen).mul(2).add(0.1)
-    x = x + torch.randn(num_blocks, block_size, kv_heads, 1, generator=gen) * 0.5
-    if fmt in ("float32", "float16", "bfloat16"):
-        return PoolTensors(x.to(getattr(torch, fmt)), None, fmt)
-    q = quantize(x, 8 if fmt == "int8" else 4)
-    params = q.scale.unsqueeze(-1) if fmt == "int8" else torch.stack((q.scale, q.minimum), dim=-1)
-    return PoolTensors(q.codes, params, fmt)
 
 
 def make_engine(model, tokenizer, max_cache_bytes: int = 2**30, compression: dict | None = None, **kwargs) -> LLMEngine:
@@ -177,3 +164,127 @@ class LiveServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self._log.close()
+
+
+FORMATS = list(FORMAT_CODES)
+
+
+def make_pool(fmt: str, num_blocks: int, kv_heads: int, block_size: int, head_dim: int, gen: torch.Generator):
+    """A pool whose codes and parameters come from quantising random vectors, as the KV store writes them."""
+    x = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    # Per-vector offsets and magnitudes, so int4 minima and scales vary.
+    x = x * torch.rand(num_blocks, block_size, kv_heads, 1, generator=gen).mul(2).add(0.1)
+    x = x + torch.randn(num_blocks, block_size, kv_heads, 1, generator=gen) * 0.5
+    if fmt in ("float32", "float16", "bfloat16"):
+        return PoolTensors(x.to(getattr(torch, fmt)), None, fmt)
+    q = quantize(x, 8 if fmt == "int8" else 4)
+    params = q.scale.unsqueeze(-1) if fmt == "int8" else torch.stack((q.scale, q.minimum), dim=-1)
+    return PoolTensors(q.codes, params, fmt)
+
+
+@st.composite
+def batches(draw: st.DrawFn, max_keys: int = 300) -> DecodeBatch:
+    block_size = draw(st.sampled_from([4, 16]))
+    kv_heads = draw(st.integers(1, 3))
+    heads = kv_heads * draw(st.integers(1, 3))
+    head_dim = draw(st.sampled_from([4, 16, 64]))
+    rows = draw(st.integers(1, 4))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    formats = draw(st.lists(st.sampled_from(FORMATS), min_size=1, max_size=3))
+    key_only_format = draw(st.sampled_from(FORMATS))
+    pool_formats = [*formats, key_only_format]
+    blocks = [draw(st.integers(1, 40)) for _ in pool_formats]
+    pools = [make_pool(f, n, kv_heads, block_size, head_dim, gen) for f, n in zip(pool_formats, blocks, strict=True)]
+    key_only_pool = len(pools) - 1
+
+    # Some slots are held by no row; rows take slots in any order.
+    slots = rows + draw(st.integers(0, 2))
+    row_slot = torch.randperm(slots, generator=gen)[:rows].int()
+    row_pool = torch.tensor([draw(st.integers(0, len(formats) - 1)) for _ in range(rows)], dtype=torch.int32)
+    slot_pool = torch.zeros(slots, dtype=torch.long)
+    slot_pool[row_slot.long()] = row_pool.long()
+    num_keys = torch.tensor([draw(st.integers(1, max_keys)) for _ in range(slots)], dtype=torch.int32)
+    num_key_only = torch.tensor([draw(st.integers(0, int(n))) for n in num_keys], dtype=torch.int32)
+    max_blocks = -(-max_keys // block_size) + draw(st.integers(0, 2))
+
+    def tables(pool_of_slot: list[int]) -> torch.Tensor:
+        # Random block ids: out of order, repeated within a table and shared between slots; -1 past the end.
+        t = torch.full((slots, max_blocks), -1, dtype=torch.int32)
+        for s, p in enumerate(pool_of_slot):
+            t[s] = torch.randint(0, blocks[p], (max_blocks,), generator=gen, dtype=torch.int32)
+        return t
+
+    def trim(t: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        for s, n in enumerate(entries.tolist()):
+            t[s, -(-n // block_size) :] = -1
+        return t
+
+    key_tables = trim(tables(slot_pool.tolist()), num_keys)
+    value_tables = trim(tables(slot_pool.tolist()), num_keys - num_key_only)
+    key_only_tables = trim(tables([key_only_pool] * slots), num_key_only)
+
+    observe = draw(st.lists(st.booleans(), min_size=rows, max_size=rows))
+    num_observed = sum(observe) + draw(st.integers(0, 1))
+    order = torch.randperm(num_observed, generator=gen).tolist()
+    observe_index = torch.tensor([order.pop() if o else -1 for o in observe], dtype=torch.int32)
+    query = torch.randn(rows, heads, head_dim, generator=gen) * draw(st.sampled_from([0.5, 2.0, 8.0]))
+    return DecodeBatch(
+        query=query,
+        pools=pools,
+        row_slot=row_slot,
+        row_pool=row_pool,
+        key_only_pool=key_only_pool,
+        key_tables=key_tables,
+        value_tables=value_tables,
+        key_only_tables=key_only_tables,
+        num_keys=num_keys,
+        num_key_only=num_key_only,
+        block_size=block_size,
+        scale=head_dim**-0.5,
+        observe_index=observe_index,
+        num_observed=num_observed,
+    )
+
+
+def assert_matches(result: DecodeResult, expected: DecodeResult) -> None:
+    # float32 accumulated in another order (and exp approximated): agreement to a few 1e-6 relative.
+    torch.testing.assert_close(result.out, expected.out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(result.lse, expected.lse, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(result.observed, expected.observed, rtol=1e-4, atol=1e-6)
+
+
+def small_batch(
+    num_keys: list[int], num_key_only: list[int], fmt: str = "int8", key_only_fmt: str | None = None
+) -> DecodeBatch:
+    """Rows 0..len-1 on slots 0..len-1, every row observed, contiguous tables; KEY_ONLY values in the
+    rows' pool, or with `key_only_fmt` in a pool of their own."""
+    gen = torch.Generator().manual_seed(0)
+    rows, kv_heads, heads, head_dim, block_size, max_blocks = len(num_keys), 2, 4, 16, 4, 8
+    pools = [make_pool(f, rows * max_blocks, kv_heads, block_size, head_dim, gen) for f in (fmt, key_only_fmt) if f]
+    table = torch.arange(rows * max_blocks, dtype=torch.int32).view(rows, max_blocks)
+    return DecodeBatch(
+        query=torch.randn(rows, heads, head_dim, generator=gen),
+        pools=pools,
+        row_slot=torch.arange(rows, dtype=torch.int32),
+        row_pool=torch.zeros(rows, dtype=torch.int32),
+        key_only_pool=len(pools) - 1,
+        key_tables=table,
+        value_tables=table.flip(1).contiguous(),
+        key_only_tables=table.roll(1, 0).contiguous(),
+        num_keys=torch.tensor(num_keys, dtype=torch.int32),
+        num_key_only=torch.tensor(num_key_only, dtype=torch.int32),
+        block_size=block_size,
+        scale=head_dim**-0.5,
+        observe_index=torch.arange(rows, dtype=torch.int32),
+        num_observed=rows,
+    )
+
+
+# Changes to small_batch([5, 5], [2, 0]) that a kernel must reject rather than read out of bounds.
+INCONSISTENT = [
+    {"key_tables": torch.full((2, 8), 99, dtype=torch.int32)},  # a block outside the pool
+    {"row_slot": torch.tensor([0, 2], dtype=torch.int32)},
+    {"observe_index": torch.tensor([1, 1], dtype=torch.int32)},
+    {"num_key_only": torch.tensor([6, 0], dtype=torch.int32)},  # more KEY_ONLY entries than entries
+    {"num_keys": torch.tensor([40, 5], dtype=torch.int32)},  # more entries than the table holds
+]

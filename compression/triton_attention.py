@@ -1,0 +1,369 @@
+"""Decode attention over the block pool in Triton: the GPU counterpart of the C++ kernel.
+
+Same interface and semantics as `decode_attention_reference` (see `compression.paged_attention`).
+One program per (row, KV head) scores every query head of the GQA group against each key loaded
+once, reading entries in place at their storage format and dequantising in registers, with an online
+softmax over tiles of entries. Formats are compile-time constants, so each (row pool, key-only pool)
+pair of formats gets its own specialisation: rows are launched by their pool. The observed
+probabilities are a second pass over the observed rows once their lse is known, one program per tile
+of entries summing over all heads, so no scores are kept in between.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from compression.paged_attention import FORMAT_CODES, DecodeBatch, DecodeResult, PoolTensors
+
+INT8, INT4 = tl.constexpr(FORMAT_CODES["int8"]), tl.constexpr(FORMAT_CODES["int4"])
+# Elements of the [group, entries, head_dim] products a program holds per tile: bounds registers.
+TILE_ELEMENTS = 8192
+
+
+@triton.jit
+def _entry_rows(table, j, mask, block_size):
+    """Pool rows (block * block_size + offset) of table entries j."""
+    block = tl.load(table + j // block_size, mask=mask, other=0)
+    return block.to(tl.int64) * block_size + j % block_size
+
+
+@triton.jit
+def _load_vectors(
+    data,
+    params,
+    rows,
+    mask,
+    kv_head,
+    num_params,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FORMAT: tl.constexpr,
+):
+    """Head vectors [entries, BLOCK_D] of pool rows `rows` as float32, dequantised (zero where masked)."""
+    d = tl.arange(0, BLOCK_D)
+    vector = rows * KV_HEADS + kv_head
+    mask2 = mask[:, None] & (d < HEAD_DIM)[None, :]
+    if FORMAT == INT4:
+        # Low nibble of byte i is dimension i, high nibble dimension i + HEAD_DIM // 2.
+        column = d % (HEAD_DIM // 2)
+        byte = tl.load(data + vector[:, None] * (HEAD_DIM // 2) + column[None, :], mask=mask2, other=0).to(tl.int32)
+        codes = ((byte >> ((d >= HEAD_DIM // 2).to(tl.int32) * 4)[None, :]) & 0x0F).to(tl.float32)
+        scale = tl.load(params + vector * num_params, mask=mask, other=0.0).to(tl.float32)
+        minimum = tl.load(params + vector * num_params + 1, mask=mask, other=0.0).to(tl.float32)
+        return tl.where(mask2, codes * scale[:, None] + minimum[:, None], 0.0)
+    x = tl.load(data + vector[:, None] * HEAD_DIM + d[None, :], mask=mask2, other=0).to(tl.float32)
+    if FORMAT == INT8:
+        scale = tl.load(params + vector * num_params, mask=mask, other=0.0).to(tl.float32)
+        x = x * scale[:, None]
+    return x
+
+
+@triton.jit
+def _scores(
+    query,
+    data,
+    params,
+    num_params,
+    key_table,
+    j,
+    valid,
+    block_size,
+    row,
+    kv_head,
+    scale,
+    KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FORMAT: tl.constexpr,
+):
+    """Scaled scores [GROUP_PAD, entries] of the group's query heads against keys j (-inf where not valid)."""
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, BLOCK_D)
+    head = kv_head * GROUP + g
+    q_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(query + (row * (KV_HEADS * GROUP) + head)[:, None] * HEAD_DIM + d[None, :], mask=q_mask, other=0.0)
+    rows = _entry_rows(key_table, j, valid, block_size)
+    keys = _load_vectors(data, params, rows, valid, kv_head, num_params, KV_HEADS, HEAD_DIM, BLOCK_D, FORMAT)
+    s = tl.sum(q[:, None, :] * keys[None, :, :], axis=2) * scale
+    return tl.where(valid[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _attend(
+    query,
+    out,
+    lse,
+    launch_rows,
+    row_slot,
+    num_keys,
+    num_key_only,
+    key_tables,
+    value_tables,
+    key_only_tables,
+    key_stride,
+    value_stride,
+    key_only_stride,
+    data,
+    params,
+    num_params,
+    ko_data,
+    ko_params,
+    ko_num_params,
+    block_size,
+    scale,
+    KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FORMAT: tl.constexpr,
+    KO_FORMAT: tl.constexpr,
+):
+    """Output and lse of one (row, KV head) pair: an online softmax over tiles of BLOCK_N entries."""
+    row = tl.load(launch_rows + tl.program_id(0)).to(tl.int64)
+    kv_head = tl.program_id(1)
+    slot = tl.load(row_slot + row).to(tl.int64)
+    n = tl.load(num_keys + slot)
+    n_key_only = tl.load(num_key_only + slot)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, BLOCK_D)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    for j0 in range(0, n, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        valid = j < n
+        s = _scores(
+            query,
+            data,
+            params,
+            num_params,
+            key_tables + slot * key_stride,
+            j,
+            valid,
+            block_size,
+            row,
+            kv_head,
+            scale,
+            KV_HEADS,
+            GROUP,
+            GROUP_PAD,
+            HEAD_DIM,
+            BLOCK_D,
+            FORMAT,
+        )
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        total = total * alpha + tl.sum(p, axis=1)
+        # KEY_ONLY entries come first in key order; their values live in the key-only pool.
+        key_only = valid & (j < n_key_only)
+        full = valid & (j >= n_key_only)
+        ko_rows = _entry_rows(key_only_tables + slot * key_only_stride, j, key_only, block_size)
+        full_rows = _entry_rows(value_tables + slot * value_stride, j - n_key_only, full, block_size)
+        values = tl.where(
+            key_only[:, None],
+            _load_vectors(
+                ko_data, ko_params, ko_rows, key_only, kv_head, ko_num_params, KV_HEADS, HEAD_DIM, BLOCK_D, KO_FORMAT
+            ),
+            _load_vectors(data, params, full_rows, full, kv_head, num_params, KV_HEADS, HEAD_DIM, BLOCK_D, FORMAT),
+        )
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * values[None, :, :], axis=1)
+        m = m_new
+    # A sequence with no entries: zeros and -inf.
+    held = total > 0
+    acc = acc / tl.where(held, total, 1.0)[:, None]
+    head = row * (KV_HEADS * GROUP) + kv_head * GROUP + g
+    tl.store(out + head[:, None] * HEAD_DIM + d[None, :], acc, mask=(g < GROUP)[:, None] & (d < HEAD_DIM)[None, :])
+    tl.store(lse + head, tl.where(held, m + tl.log(tl.where(held, total, 1.0)), float("-inf")), mask=g < GROUP)
+
+
+@triton.jit
+def _observe(
+    query,
+    lse,
+    observed,
+    observed_width,
+    launch_rows,
+    observe_index,
+    row_slot,
+    num_keys,
+    key_tables,
+    key_stride,
+    data,
+    params,
+    num_params,
+    block_size,
+    scale,
+    KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FORMAT: tl.constexpr,
+):
+    """The probability entries of one tile of an observed row received, mean over every query head."""
+    row = tl.load(launch_rows + tl.program_id(0)).to(tl.int64)
+    slot = tl.load(row_slot + row).to(tl.int64)
+    n = tl.load(num_keys + slot)
+    j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = j < n
+    g = tl.arange(0, GROUP_PAD)
+    probs = tl.zeros([BLOCK_N], tl.float32)
+    for kv_head in range(KV_HEADS):
+        s = _scores(
+            query,
+            data,
+            params,
+            num_params,
+            key_tables + slot * key_stride,
+            j,
+            valid,
+            block_size,
+            row,
+            kv_head,
+            scale,
+            KV_HEADS,
+            GROUP,
+            GROUP_PAD,
+            HEAD_DIM,
+            BLOCK_D,
+            FORMAT,
+        )
+        head_lse = tl.load(lse + row * (KV_HEADS * GROUP) + kv_head * GROUP + g, mask=g < GROUP, other=0.0)
+        p = tl.exp(s - head_lse[:, None])
+        probs += tl.sum(tl.where((g < GROUP)[:, None], p, 0.0), axis=0)
+    target = tl.load(observe_index + row).to(tl.int64)
+    tl.store(observed + target * observed_width + j, probs / (KV_HEADS * GROUP), mask=valid)
+
+
+def _pool_arguments(pool: PoolTensors) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """A pool as kernel arguments: its data, its params (None for float formats) and params per vector."""
+    if pool.params is None:
+        return pool.data.contiguous(), None, 0
+    return pool.data.contiguous(), pool.params.contiguous(), pool.params.shape[-1]
+
+
+def _rows_on_host(batch: DecodeBatch) -> tuple[list[int], list[int], list[int]]:
+    """Each row's pool, observe index and entries, fetched in one copy, once checked: the kernels do
+    no bounds checks, so what would make them read outside their tensors raises here."""
+    slots, pools, bs = batch.num_keys.shape[0], len(batch.pools), batch.block_size
+    if not 0 <= batch.key_only_pool < pools:
+        raise IndexError(f"key_only_pool {batch.key_only_pool} is out of range")
+    device = batch.query.device
+    slot = batch.row_slot.long().clamp(0, slots - 1)
+    pool = batch.row_pool.long().clamp(0, pools - 1)
+    n, n_ko = batch.num_keys[slot].long(), batch.num_key_only[slot].long()
+    limit = torch.tensor([p.data.shape[0] for p in batch.pools], device=device)
+    bad = (n_ko < 0) | (n_ko > n)
+    for table, entries, blocks in (
+        (batch.key_tables, n, limit[pool]),
+        (batch.value_tables, n - n_ko, limit[pool]),
+        (batch.key_only_tables, n_ko, limit[batch.key_only_pool].expand_as(n)),
+    ):
+        used = (entries + bs - 1) // bs
+        needed = torch.arange(table.shape[1], device=device) < used[:, None]
+        held = table[slot].long()
+        bad |= (used > table.shape[1]) | (needed & ((held < 0) | (held >= blocks[:, None]))).any(1)
+    columns = (batch.row_slot.long(), batch.row_pool.long(), batch.observe_index.long(), n, bad.long())
+    row_slot, row_pool, observe, entries, bad_rows = torch.stack(columns).tolist()
+    if any(not 0 <= s < slots for s in row_slot) or any(not 0 <= p < pools for p in row_pool):
+        raise IndexError("a row's slot or pool is out of range")
+    if any(bad_rows):
+        raise IndexError("a row's entry counts or block tables do not fit its tables or pools")
+    taken = [o for o in observe if o >= 0]
+    if len(set(taken)) != len(taken) or any(o >= batch.num_observed for o in taken):
+        raise ValueError("observe_index must name distinct rows of `observed`, below num_observed")
+    return row_pool, observe, entries
+
+
+def decode_attention_triton(batch: DecodeBatch) -> DecodeResult:
+    """Decode attention for one layer with the Triton kernels (on CUDA, or on CPU under TRITON_INTERPRET=1)."""
+    query = batch.query.float().contiguous()
+    rows, heads, head_dim = query.shape
+    kv_heads = batch.pools[0].data.shape[2]
+    group = heads // kv_heads
+    device = query.device
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    out = torch.empty(rows, heads, head_dim, dtype=torch.float32, device=device)
+    lse = torch.empty(rows, heads, dtype=torch.float32, device=device)
+    if rows == 0:
+        return DecodeResult(out, lse, torch.zeros(batch.num_observed, 0, device=device))
+    # The launches depend on the rows' pools and the observed width: one small copy to the host.
+    row_pool, observe, entries = _rows_on_host(batch)
+    width = max((entries[r] for r in range(rows) if observe[r] >= 0), default=0)
+    observed = torch.zeros(batch.num_observed, width, dtype=torch.float32, device=device)
+
+    def index(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.int32).contiguous()
+
+    row_slot, observe_index = index(batch.row_slot), index(batch.observe_index)
+    num_keys, num_key_only = index(batch.num_keys), index(batch.num_key_only)
+    key_tables, value_tables = index(batch.key_tables), index(batch.value_tables)
+    key_only_tables = index(batch.key_only_tables)
+    ko_data, ko_params, ko_num_params = _pool_arguments(batch.pools[batch.key_only_pool])
+    group_pad, block_d = triton.next_power_of_2(group), triton.next_power_of_2(head_dim)
+    block_n = max(16, min(128, TILE_ELEMENTS // (group_pad * block_d)))
+    shape = dict(
+        KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n
+    )
+    for p in sorted(set(row_pool)):
+        served = [r for r in range(rows) if row_pool[r] == p]
+        data, params, num_params = _pool_arguments(batch.pools[p])
+        fmt = FORMAT_CODES[batch.pools[p].format]
+        _attend[(len(served), kv_heads)](
+            query,
+            out,
+            lse,
+            torch.tensor(served, dtype=torch.int32, device=device),
+            row_slot,
+            num_keys,
+            num_key_only,
+            key_tables,
+            value_tables,
+            key_only_tables,
+            key_tables.shape[1],
+            value_tables.shape[1],
+            key_only_tables.shape[1],
+            data,
+            params,
+            num_params,
+            ko_data,
+            ko_params,
+            ko_num_params,
+            batch.block_size,
+            batch.scale,
+            FORMAT=fmt,
+            KO_FORMAT=FORMAT_CODES[batch.pools[batch.key_only_pool].format],
+            **shape,
+        )
+        watched = [r for r in served if observe[r] >= 0 and entries[r] > 0]  # an empty row's stay zero
+        if watched:
+            _observe[(len(watched), triton.cdiv(width, block_n))](
+                query,
+                lse,
+                observed,
+                width,
+                torch.tensor(watched, dtype=torch.int32, device=device),
+                observe_index,
+                row_slot,
+                num_keys,
+                key_tables,
+                key_tables.shape[1],
+                data,
+                params,
+                num_params,
+                batch.block_size,
+                batch.scale,
+                FORMAT=fmt,
+                **shape,
+            )
+    return DecodeResult(out, lse, observed)

@@ -1,0 +1,203 @@
+"""The Triton kernels against the PyTorch paths, on CPU tensors under Triton's interpreter.
+
+Decode attention is held to its reference like the C++ kernel; the block writes and row copies to the
+torch path bit for bit. The interpreter runs the kernels' own code with numpy, so what these tests
+cannot see is the GPU compiler's side: speed, and arithmetic it might contract or approximate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+triton = pytest.importorskip("triton", reason="triton is not installed (it is a Linux-only dev dependency)")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from compression import kernels, triton_attention, triton_blocks  # noqa: E402
+from compression.block_pool import BlockPool, Codec  # noqa: E402
+from compression.kv_store import Keep, KVStore  # noqa: E402
+from compression.paged_attention import DecodeBatch, decode_attention, decode_attention_reference  # noqa: E402
+from tests.helpers import FORMATS, INCONSISTENT, assert_matches, batches, fill_store, small_batch  # noqa: E402
+
+KERNELS = [
+    triton_attention._attend,
+    triton_attention._observe,
+    triton_blocks._encode,
+    triton_blocks._copy_rows,
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpreted() -> Iterator[None]:
+    # Compiled, they would need a GPU: conftest sets TRITON_INTERPRET=1 before anything imports triton.
+    assert all(isinstance(k, InterpretedFunction) for k in KERNELS), "the Triton kernels are not interpreted"
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # many small operators: a second thread only waits
+    yield
+    torch.set_num_threads(before)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=batches(max_keys=48))
+def test_attention_matches_reference(batch: DecodeBatch) -> None:
+    assert_matches(triton_attention.decode_attention_triton(batch), decode_attention_reference(batch))
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=batches(max_keys=400))
+def test_attention_matches_reference_over_many_tiles(batch: DecodeBatch) -> None:
+    assert_matches(triton_attention.decode_attention_triton(batch), decode_attention_reference(batch))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("key_only_fmt", FORMATS)
+def test_every_pair_of_formats(fmt: str, key_only_fmt: str) -> None:
+    batch = small_batch([7, 13, 30], [0, 13, 11], fmt=fmt, key_only_fmt=key_only_fmt)
+    assert_matches(triton_attention.decode_attention_triton(batch), decode_attention_reference(batch))
+
+
+def test_empty_sequence_gives_zeros_and_minus_infinity() -> None:
+    batch = small_batch([0, 5], [0, 2])
+    result = triton_attention.decode_attention_triton(batch)
+    assert torch.equal(result.out[0], torch.zeros_like(result.out[0]))
+    assert torch.isneginf(result.lse[0]).all()
+    assert torch.equal(result.observed[0], torch.zeros(5))
+    assert_matches(result, decode_attention_reference(batch))
+
+
+@pytest.mark.parametrize("change", INCONSISTENT)
+def test_attention_rejects_inconsistent_batches(change: dict) -> None:
+    batch = dataclasses.replace(small_batch([5, 5], [2, 0]), **change)
+    with pytest.raises((IndexError, ValueError)):
+        triton_attention.decode_attention_triton(batch)
+
+
+def test_decode_attention_dispatches_to_triton_unless_disabled(monkeypatch) -> None:
+    # CPU tensors stand in for CUDA ones: everything but the device decides as it would there.
+    monkeypatch.setattr(kernels, "triton_enabled", lambda device: not kernels.disabled())
+    batch = small_batch([7, 13, 30], [0, 13, 11], fmt="int4")
+    direct = triton_attention.decode_attention_triton(batch)
+    for a, b in zip(vars(decode_attention(batch)).values(), vars(direct).values(), strict=True):
+        assert torch.equal(a, b)
+    monkeypatch.setenv("CONFKV_DISABLE_KERNEL", "1")
+    expected = decode_attention_reference(batch)
+    for a, b in zip(vars(decode_attention(batch)).values(), vars(expected).values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def storage(fmt: str) -> torch.dtype | str:
+    return fmt if fmt.startswith("int") else getattr(torch, fmt)
+
+
+def pools(fmt: str, kv_heads: int, head_dim: int, blocks: int) -> tuple[BlockPool, BlockPool]:
+    """Two empty pools of `blocks` blocks: one on the torch path, one on the Triton kernels."""
+    made = []
+    for use_triton in (False, True):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(kernels, "triton_enabled", lambda device, use=use_triton: use)
+            pool = BlockPool(Codec(storage(fmt), head_dim), kv_heads, block_size=4, device=torch.device("cpu"))
+        pool.allocate(blocks)
+        made.append(pool)
+    assert made[0]._triton is None and made[1]._triton is triton_blocks
+    return made[0], made[1]
+
+
+def same_bytes(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return torch.equal(a.contiguous().flatten().view(torch.uint8), b.contiguous().flatten().view(torch.uint8))
+
+
+@st.composite
+def appends(draw: st.DrawFn) -> tuple[str, torch.Tensor]:
+    """A storage format and new entries x [n, kv_heads, head_dim] in a model dtype, some of them where
+    rounding ties or degenerate ranges are common."""
+    fmt = draw(st.sampled_from(FORMATS))
+    n, kv_heads, head_dim = draw(st.integers(1, 12)), draw(st.integers(1, 3)), draw(st.sampled_from([2, 6, 16, 64]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    kind = draw(st.sampled_from(["random", "ties", "constant"]))
+    shape = (n, kv_heads, head_dim)
+    if kind == "random":
+        x = torch.randn(shape, generator=gen) * torch.rand(n, kv_heads, 1, generator=gen).mul(4)
+        x = x + torch.randn(n, kv_heads, 1, generator=gen)
+    elif kind == "ties":
+        # Halves on a grid whose int8 scale (range 127) or int4 scale (range 0..15) is exactly 1.
+        if fmt == "int4":
+            x = torch.randint(0, 31, shape, generator=gen) / 2.0
+            x[..., 0], x[..., 1] = 0.0, 15.0
+        else:
+            x = torch.randint(-254, 255, shape, generator=gen) / 2.0
+            x[..., 0] = 127.0
+    else:
+        x = torch.randn(n, kv_heads, 1, generator=gen).expand(shape) * torch.randint(0, 2, (n, 1, 1), generator=gen)
+    x = x.to(draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])))
+    if draw(st.booleans()):
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)  # strided, as the KV store's entries are
+    return fmt, x
+
+
+# A constant vector's int4 scale rounds to 0 in float16: its codes divide by zero (0 / 0 included), as
+# torch's do.
+@pytest.mark.filterwarnings("ignore:.* encountered in divide:RuntimeWarning")
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=appends(), seed=st.integers(0, 2**31))
+def test_appends_are_bit_exact(case: tuple[str, torch.Tensor], seed: int) -> None:
+    fmt, x = case
+    n, kv_heads, head_dim = x.shape
+    reference, kernel = pools(fmt, kv_heads, head_dim, blocks=4)
+    rows = torch.randperm(16, generator=torch.Generator().manual_seed(seed))[:n]
+    reference.write(rows, x)
+    kernel.write(rows, x)
+    assert same_bytes(kernel.data, reference.data) and same_bytes(kernel.params, reference.params)
+
+
+def test_int8_and_int4_round_half_to_even() -> None:
+    int8 = pools("int8", 1, 8, blocks=1)[1]
+    int8.write(torch.tensor([0]), torch.tensor([[[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5]]]))
+    assert int8.data[0, 0, 0].tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
+    int4 = pools("int4", 1, 8, blocks=1)[1]
+    int4.write(torch.tensor([0]), torch.tensor([[[0.0, 15.0, 0.5, 1.5, 2.5, 13.5, 14.5, 7.5]]]))
+    low, high = int4.data[0, 0, 0] & 0x0F, int4.data[0, 0, 0] >> 4
+    assert torch.cat((low, high)).tolist() == [0, 15, 0, 2, 2, 14, 14, 8]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fmt=st.sampled_from(FORMATS), seed=st.integers(0, 2**31))
+def test_row_copies_are_bit_exact(fmt: str, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    reference, kernel = pools(fmt, 2, 16, blocks=4)
+    x = torch.randn(16, 2, 16, generator=gen)
+    reference.write(torch.arange(16), x)
+    kernel.write(torch.arange(16), x)
+    source = torch.randint(0, 16, (10,), generator=gen)  # repeats allowed: a gather
+    target = torch.randperm(16, generator=gen)[:10]
+    for pool in (reference, kernel):
+        pool.write_encoded(target, *pool.read_encoded(source))
+    assert same_bytes(kernel.data, reference.data) and same_bytes(kernel.params, reference.params)
+    for a, b in zip(kernel.read_encoded(source), reference.read_encoded(source), strict=True):
+        assert same_bytes(a, b)
+
+
+def test_compaction_and_sharing_through_the_kernels_match_the_torch_path() -> None:
+    def run(use_triton: bool) -> KVStore:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(kernels, "triton_enabled", lambda device: use_triton)
+            store = KVStore(num_layers=2, num_kv_heads=2, head_dim=8, max_bytes=10**7, storage="int8")
+            gen = torch.Generator().manual_seed(0)
+            fill_store(store, 1, 40, keys=lambda layer: torch.randn(2, 40, 8, generator=gen))
+            store.share(1)  # copies each table's partial last block
+            keep = Keep(full=torch.tensor([*range(16), 20, 25, 39]), key_only=torch.tensor([17, 30, 33]))
+            store.retier(1, {0: keep, 1: keep})
+            fill_store(store, 1, 5, start=40, keys=lambda layer: torch.randn(2, 5, 8, generator=gen))
+        return store
+
+    reference, kernel = run(False), run(True)
+    assert all(pool._triton is triton_blocks for pool in kernel.pools.values())
+    for name, pool in reference.pools.items():
+        assert same_bytes(kernel.pools[name].data, pool.data) and same_bytes(kernel.pools[name].params, pool.params)
