@@ -2,13 +2,15 @@ from __future__ import annotations
 
 import os
 
-# The Triton kernels' tests run them on CPU tensors under Triton's interpreter. Triton reads the variable
-# when a function is decorated, its own library's included, and torch imports triton along with
-# transformers' models: so it is set before anything is imported.
-os.environ["TRITON_INTERPRET"] = "1"
+import torch
+
+# Without a GPU the Triton kernels' tests run them on CPU tensors under Triton's interpreter. Triton reads
+# the variable when a function is decorated, its own library's included, and transformers' models import
+# triton: so it is set before those (torch alone does not import triton). With a GPU they are compiled.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from models.default_model import default_model_path  # noqa: E402
