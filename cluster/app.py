@@ -1,0 +1,89 @@
+"""The Ray Serve application: an ingress, the engine replicas behind our router, and the metrics hub.
+
+python serve.py --ray --cluster.replicas 2             # a local Ray cluster, the same flags and config file
+serve run cluster.app:app_builder replicas=...          # or Serve's own CLI / a KubeRay RayService:
+                                                        # args are Settings fields (deploy/rayservice.yaml)
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import ray
+from ray import serve
+from ray.serve import Application
+
+from app.settings import Settings, load_settings
+from cluster.autoscaling import POLICY_CLASS
+from cluster.ingress import Ingress
+from cluster.metrics import MetricsHub
+from cluster.replica import EngineReplica
+from cluster.router import ROUTER_CLASS
+
+log = logging.getLogger("conf_kv")
+
+APP_NAME = "conf-kv"
+ROUTING_STATS_PERIOD_S = 1.0  # how stale the router's view of free KV memory may be
+
+
+def build(settings: Settings) -> Application:
+    cluster = settings.cluster
+    quiet = {"enable_access_log": False}  # replicas report every second
+    hub = serve.deployment(MetricsHub, num_replicas=1, ray_actor_options={"num_cpus": 0}, logging_config=quiet).bind()
+    engine = serve.deployment(
+        EngineReplica,
+        max_ongoing_requests=settings.max_num_seqs,  # more would wait in the engine, invisible to the router
+        graceful_shutdown_timeout_s=settings.shutdown_grace_period,
+        health_check_period_s=5,
+        ray_actor_options={"num_cpus": cluster.replica_cpus, "num_gpus": cluster.replica_gpus},
+        request_router_config=_router_config(settings),
+        **_scaling(settings),
+    ).bind(settings, hub)
+    ingress = serve.deployment(Ingress, ray_actor_options={"num_cpus": 0})
+    return ingress.bind(engine, hub, settings.max_request_bytes)
+
+
+def app_builder(args: dict) -> Application:
+    """For `serve run` and a RayService's serveConfigV2: `args` are Settings fields; CONFKV_* env applies too."""
+    return build(load_settings(None, **args))
+
+
+def _router_config(settings: Settings) -> dict:
+    config: dict = {"request_routing_stats_period_s": ROUTING_STATS_PERIOD_S}
+    if settings.cluster.router == "prefix_kv":
+        config["request_router_class"] = ROUTER_CLASS
+        config["request_router_kwargs"] = {"imbalance_threshold": settings.cluster.imbalance_threshold}
+    return config
+
+
+def _scaling(settings: Settings) -> dict:
+    cluster = settings.cluster
+    if cluster.max_replicas is None:
+        return {"num_replicas": cluster.replicas}
+    return {
+        "autoscaling_config": {
+            "min_replicas": cluster.replicas,
+            "max_replicas": cluster.max_replicas,
+            "target_ongoing_requests": cluster.target_ongoing_requests,
+            "upscale_delay_s": cluster.upscale_delay_s,
+            "downscale_delay_s": cluster.downscale_delay_s,
+            "policy": {"policy_function": POLICY_CLASS, "policy_kwargs": {"target_kv_usage": cluster.target_kv_usage}},
+        }
+    }
+
+
+def main(settings: Settings) -> None:
+    """Start (or join) a Ray cluster, run the application on --host/--port, and drain on SIGTERM or Ctrl-C."""
+    ray.init(address=settings.cluster.address, logging_level=settings.log_level.upper())
+    serve.start(http_options={"host": settings.host, "port": settings.port})
+    serve.run(build(settings), name=APP_NAME, route_prefix="/")
+    log.info("ready on %s:%d with %d engine replicas", settings.host, settings.port, settings.cluster.replicas)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("shutting down: replicas finish their requests (up to %.0f s)", settings.shutdown_grace_period)
+    serve.shutdown()
+    ray.shutdown()
