@@ -123,7 +123,11 @@ def test_autoscaling_wants_the_larger_of_the_request_and_the_kv_counts():
         KVPressurePolicy(target_kv_usage=0.0)
 
 
-def test_cluster_settings_from_flags_env_and_bounds(monkeypatch):
+def test_cluster_settings_from_flags_env_config_file_and_bounds(monkeypatch, tmp_path):
+    config = tmp_path / "server.yaml"
+    config.write_text("cluster:\n  replicas: 4\n  target_kv_usage: 0.5\n")
+    from_file = load_settings(["--config", str(config)]).cluster
+    assert (from_file.replicas, from_file.target_kv_usage) == (4, 0.5)
     settings = load_settings(["--ray", "--cluster.replicas", "3", "--cluster.router", "power_of_two"])
     assert settings.ray and settings.cluster.replicas == 3 and settings.cluster.router == "power_of_two"
     assert not load_settings([]).ray
