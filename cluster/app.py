@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 
 import ray
 from ray import serve
@@ -74,16 +75,27 @@ def _scaling(settings: Settings) -> dict:
     }
 
 
+def _drain(grace_s: float) -> None:
+    """New requests get 503; wait up to `grace_s` for running ones (streams included) to finish."""
+    log.info("shutting down: new requests get 503; waiting up to %.0f s for running ones", grace_s)
+    ingress = serve.get_app_handle(APP_NAME)
+    deadline = time.monotonic() + grace_s
+    while (running := ingress.drain.remote().result()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if running:
+        log.warning("grace period over with %d requests unfinished; they are cut off", running)
+
+
 def main(settings: Settings) -> None:
     """Start (or join) a Ray cluster, run the application on --host/--port, and drain on SIGTERM or Ctrl-C."""
     ray.init(address=settings.cluster.address, logging_level=settings.log_level.upper())
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs handlers that exit at once
+        signal.signal(sig, lambda *_: stop.set())
     serve.start(http_options={"host": settings.host, "port": settings.port})
     serve.run(build(settings), name=APP_NAME, route_prefix="/")
     log.info("ready on %s:%d with %d engine replicas", settings.host, settings.port, settings.cluster.replicas)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    log.info("shutting down: replicas finish their requests (up to %.0f s)", settings.shutdown_grace_period)
+    _drain(settings.shutdown_grace_period)
     serve.shutdown()
     ray.shutdown()

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -64,11 +65,34 @@ class Ingress:
         self.hub = hub
         self.max_request_bytes = max_request_bytes
         self.attempts = attempts
+        self.draining = False  # set on shutdown: new requests get 503, running ones finish
+        self.in_flight = 0
 
     async def __call__(self, request: Request) -> Response:
         if request.url.path == "/metrics" and request.method == "GET":
             return await self.metrics()
-        return await self.forward(request)
+        if self.draining:
+            message = "the server is shutting down; retry on another instance"
+            body = error_body(request.url.path, 503, "shutting_down", message)
+            return JSONResponse(body, 503, {"Retry-After": "5"})
+        self.in_flight += 1
+        response = None
+        try:
+            response = await self.forward(request)
+            return response
+        finally:
+            if isinstance(response, StreamingResponse):
+                response.background = BackgroundTask(self._finished)  # once the stream has ended
+            else:
+                self._finished()
+
+    def drain(self) -> int:
+        """Refuse new requests from now on; the number still running (`serve.py --ray` waits for 0)."""
+        self.draining = True
+        return self.in_flight
+
+    def _finished(self) -> None:
+        self.in_flight -= 1
 
     async def metrics(self) -> Response:
         reports = await self.hub.fresh.remote(5.0)
