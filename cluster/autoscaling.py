@@ -10,6 +10,7 @@ long requests is saturated well before its request count says so.
 from __future__ import annotations
 
 import logging
+import math
 
 from ray.serve.config import AutoscalingContext
 
@@ -30,7 +31,8 @@ class KVPressurePolicy:
         usage = (ctx.aggregated_metrics or {}).get(KV_USAGE, {})
         by_kv = sum(usage.values()) / self.target_kv_usage
         desired = max(by_requests, by_kv)
-        if round(desired) != ctx.target_num_replicas:
+        wanted = math.ceil(desired)
+        if wanted != ctx.policy_state.get("wanted", ctx.target_num_replicas):  # logged once per change
             log.info(
                 "kv-pressure policy: %s wants %.2f replicas (requests %.2f, KV %.2f over %d reporting), has %d",
                 ctx.deployment_name,
@@ -40,4 +42,4 @@ class KVPressurePolicy:
                 len(usage),
                 ctx.target_num_replicas,
             )
-        return desired, {"by_requests": by_requests, "by_kv": by_kv}
+        return desired, {"wanted": wanted, "by_requests": by_requests, "by_kv": by_kv}

@@ -104,6 +104,7 @@ def test_merged_metrics_pass_promtool(tmp_path):
 def _context(requests: float, usage: dict[str, float], target_requests: float = 8.0, replicas: int = 2):
     config = SimpleNamespace(get_target_ongoing_requests=lambda: target_requests)
     return SimpleNamespace(
+        policy_state={},
         total_num_requests=requests,
         aggregated_metrics={KV_USAGE: usage},
         config=config,
@@ -115,7 +116,7 @@ def _context(requests: float, usage: dict[str, float], target_requests: float = 
 def test_autoscaling_wants_the_larger_of_the_request_and_the_kv_counts():
     policy = KVPressurePolicy(target_kv_usage=0.5)
     desired, state = policy(_context(requests=4, usage={"a": 0.9, "b": 0.8}))  # few requests, long ones
-    assert desired == pytest.approx(3.4) and state["by_requests"] == pytest.approx(0.5)
+    assert desired == pytest.approx(3.4) and state["by_requests"] == pytest.approx(0.5) and state["wanted"] == 4
     desired, _ = policy(_context(requests=40, usage={"a": 0.1, "b": 0.1}))  # many short requests
     assert desired == pytest.approx(5.0)
     assert policy(_context(requests=0, usage={}))[0] == 0.0

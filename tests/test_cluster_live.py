@@ -30,6 +30,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 # Small enough that one long uncompressed request fills most of one replica's cache.
 SETTINGS = {"max_cache_size": "96MB", "max_num_batched_tokens": 256}
+DOCUMENT = " ".join(f"Line {i} of the long report says the value is {i * 7 % 13}." for i in range(90))
+LONG_REQUEST = {
+    "prompt": DOCUMENT,
+    "max_tokens": 400,
+    "ignore_eos": True,
+    "stream": True,
+    "compression": {"enabled": False},
+}
 
 
 @pytest.fixture(scope="module")
@@ -96,17 +104,9 @@ def test_both_replicas_serve_and_every_engine_metric_names_its_replica(cluster):
 
 
 def test_a_replica_full_of_a_long_request_gets_no_new_ones_and_its_memory_comes_back(cluster):
-    document = " ".join(f"Line {i} of the long report says the value is {i * 7 % 13}." for i in range(90))
-    long_request = {
-        "prompt": document,
-        "max_tokens": 400,
-        "ignore_eos": True,
-        "stream": True,
-        "compression": {"enabled": False},
-    }
     with (
         httpx.Client(base_url=cluster, timeout=300) as client,
-        client.stream("POST", "/generate", json=long_request) as held,
+        client.stream("POST", "/generate", json=LONG_REQUEST) as held,
     ):
         full_id = held.headers[REPLICA_HEADER]
 
@@ -117,7 +117,7 @@ def test_a_replica_full_of_a_long_request_gets_no_new_ones_and_its_memory_comes_
 
         wait_for(pressed, 120, "the long request holding 60% of its replica's KV cache")
         time.sleep(2.5)  # the routers' view of free KV memory is refreshed every second
-        same_prefix = {"prompt": document + " In short,", "max_tokens": 2}
+        same_prefix = {"prompt": DOCUMENT + " In short,", "max_tokens": 2}
         shorts = [{"prompt": f"Say {word}.", "max_tokens": 2} for word in ("yes", "no", "maybe")]
         for body in (same_prefix, *shorts):
             response = httpx.post(f"{cluster}/generate", json=body, timeout=300)
@@ -167,7 +167,7 @@ def test_a_replica_killed_under_locust_load_loses_no_request_and_comes_back(clus
 
 
 def test_prefix_affinity_beats_rays_default_router_on_conversations(cluster):
-    """Last in this module: it redeploys with Ray's default router."""
+    """It redeploys: with our router, then with Ray's default one."""
     convs = conversations(8, 4, words=300, seed=1)
     roomy = {**SETTINGS, "max_cache_size": "512MB"}  # every conversation's prefix fits, under either router
     deploy(cluster, replica_settings(**roomy, cluster={"replicas": 2}))
