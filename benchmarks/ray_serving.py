@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import json
 import random
-import socket
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.settings import Settings  # noqa: E402
 from benchmarks.corpus import paragraphs  # noqa: E402
 from benchmarks.report import RESULTS, Provenance, save_report  # noqa: E402
+from load_tests.monitoring import free_port  # noqa: E402
 
 QUESTIONS = (
     "Summarise the document in one sentence.",
@@ -148,12 +148,6 @@ def summary(turns: list[Turn], wall_s: float) -> dict:
 
 
 # ----- a local cluster --------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def local_cluster(port: int, num_cpus: int = 4) -> Iterator[str]:
     """A Ray head on this machine with Serve's HTTP proxy on `port`; yields the base URL."""

@@ -17,7 +17,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from benchmarks.ray_serving import (
     conversations,
     deploy,
-    free_port,
     local_cluster,
     replica_settings,
     run_conversations,
@@ -25,6 +24,7 @@ from benchmarks.ray_serving import (
 )
 from cluster.replica import REPLICA_HEADER
 from load_tests import run
+from load_tests.monitoring import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
