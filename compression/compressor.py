@@ -25,17 +25,18 @@ from compression.predictor.calibration import Calibration, Source
 from compression.predictor.misses import Dropped
 from compression.predictor.online import Forecast, FutureValue, PredictionJob
 from compression.scoring import LayerEntries, ScorePolicy
-from compression.tiers import plan_tiers, threshold_bytes
+from compression.tiers import adaptive_weights, plan_tiers, pyramid_weights, threshold_bytes
 
 
 class _Budget(NamedTuple):
     """What one compression of a sequence may keep."""
 
-    ceiling: float  # bytes per layer the rate allows
-    per_layer: float  # bytes per layer it may keep: the ceiling, or less where the thresholds judged so
+    ceiling: float  # bytes per layer the rate allows, on average over the layers
+    per_layer: float  # bytes per layer it may keep on average: the ceiling, or less where the thresholds judged so
     full_bytes: int  # of a FULL entry
     key_only_bytes: int  # of a KEY_ONLY entry
     judge: bool  # do the thresholds judge the request now (every layer)?
+    rescore: bool  # is every layer scored now (to judge, or to share the bytes among layers afresh)?
 
 
 class _Judged(NamedTuple):
@@ -105,6 +106,7 @@ class SequenceState:
     judged_until: int = 0  # entries below this position were kept by an earlier compression
     compressions: int = 0  # compressions that changed or judged something
     content_bytes_per_token: float | None = None  # per layer: what the thresholds kept at their last judgment
+    layer_weights: torch.Tensor | None = None  # adaptive layer budgets: each layer's share (mean 1), when scored
     history: TierHistory | None = None  # each compression's tiers, for requests that ask (`inspect`)
 
     @property
@@ -129,6 +131,7 @@ class SequenceState:
         self.judged_until = 0
         self.compressions = 0
         self.content_bytes_per_token = None
+        self.layer_weights = None
         if self.history is not None:
             self.history.clear()
 
@@ -459,12 +462,21 @@ class Compressor:
         per_layer = budget.per_layer
         if budget.judge:
             per_layer = self._judge(judged, budget, state, num_tokens)
+        if budget.rescore and state.params.layer_budget == "adaptive":
+            state.layer_weights = adaptive_weights([j.scores[~j.protected] for j in judged])
+        layer_bytes = self._layer_bytes(state, per_layer)
         full_bytes, key_only_bytes = budget.full_bytes, budget.key_only_bytes
         state.compressions += 1
         keep = {}
         for layer, kv, protected, scores, _, _ in judged:
             plan = plan_tiers(
-                scores, protected, kv.num_key_only, per_layer, full_bytes, key_only_bytes, state.policy.uses_tiers
+                scores,
+                protected,
+                kv.num_key_only,
+                layer_bytes[layer],
+                full_bytes,
+                key_only_bytes,
+                state.policy.uses_tiers,
             )
             if plan.dropped.numel() == 0 and plan.keep_key_only.numel() == kv.num_key_only:
                 continue
@@ -512,7 +524,7 @@ class Compressor:
         rate = self.target_rate(state)
         full_bytes, key_only_bytes = store.entry_bytes(store.codec_of(seq_id))
         if rate <= 0.0:
-            return _Budget(float("inf"), float("inf"), full_bytes, key_only_bytes, judge=False)
+            return _Budget(float("inf"), float("inf"), full_bytes, key_only_bytes, judge=False, rescore=False)
         per_token = store.model_token_bytes / store.num_layers
         # Tables hold whole blocks: leave room for a partial one of each of the three tables (keys,
         # values, key-only values: half a FULL entry, half, and a KEY_ONLY entry less a key).
@@ -520,20 +532,32 @@ class Compressor:
         ceiling = (1.0 - rate) * num_tokens * per_token - rounding
         # The thresholds judge every layer's entries, so only every `prediction_refresh` compressions
         # (when the predictor refreshes its forecasts); in between, what they kept per token holds.
-        judge = state.policy.thresholds_decide and state.compressions % state.params.prediction_refresh == 0
+        # Adaptive layer budgets are shared out afresh as often, from every layer's scores.
+        refresh = state.compressions % state.params.prediction_refresh == 0
+        judge = state.policy.thresholds_decide and refresh
+        rescore = judge or (refresh and state.params.layer_budget == "adaptive")
         per_layer = ceiling
         if state.content_bytes_per_token is not None and not judge:
             per_layer = min(ceiling, state.content_bytes_per_token * num_tokens)
-        return _Budget(ceiling, per_layer, full_bytes, key_only_bytes, judge)
+        return _Budget(ceiling, per_layer, full_bytes, key_only_bytes, judge, rescore)
+
+    def _layer_bytes(self, state: SequenceState, per_layer: float) -> list[float]:
+        """Each layer's bytes: the per-layer mean, shared among the layers as `layer_budget` says."""
+        kind = state.params.layer_budget
+        weights = pyramid_weights(self.store.num_layers) if kind == "pyramid" else state.layer_weights
+        if kind == "uniform" or weights is None:
+            return [per_layer] * self.store.num_layers
+        return (per_layer * weights).tolist()
 
     def _to_compress(self, seq_id: int, state: SequenceState, budget: _Budget) -> list[int]:
         """The layers a compression may change (and scores): every layer when the thresholds judge the
-        request, else only those holding more than the budget."""
-        if budget.judge:
+        request or the layers' shares are renewed, else only those holding more than their budget."""
+        if budget.rescore:
             return list(range(self.store.num_layers))
         full, key_only = budget.full_bytes, budget.key_only_bytes
+        limits = self._layer_bytes(state, budget.per_layer)
         held = [self.store.layer(seq_id, layer) for layer in range(self.store.num_layers)]
-        return [i for i, kv in enumerate(held) if kv.num_full * full + kv.num_key_only * key_only > budget.per_layer]
+        return [i for i, kv in enumerate(held) if kv.num_full * full + kv.num_key_only * key_only > limits[i]]
 
     def _token_confidence(self, state: SequenceState, num_tokens: int) -> torch.Tensor:
         confidence = torch.ones(num_tokens + 1, device=self.store.device)

@@ -89,6 +89,12 @@ class CompressionSettings(BaseModel):
     value_predictor: bool = Field(
         True, description="rank entries by the value predictor's forecast when one is loaded (policies that use it)"
     )
+    layer_budget: Literal["uniform", "pyramid", "adaptive"] = Field(
+        "uniform",
+        description="how a request's bytes are shared among layers: uniform (each layer holds as much), pyramid "
+        "(PyramidKV: more in lower layers, falling linearly), or adaptive (in proportion to how widely each "
+        "layer's expected attention spreads over its entries, with a floor)",
+    )
 
     @field_validator("policy")
     @classmethod
@@ -120,7 +126,9 @@ class CompressionConfig(CompressionSettings):
     observation_window: int = Field(32, ge=1, description="last prompt queries observed at the end of prefill")
     sink_tokens: int = Field(4, ge=0, description="first tokens never dropped (attention sinks)")
     recent_window: int = Field(32, ge=0, description="most recent tokens never dropped")
-    key_only_value_bits: Literal[4, 8] = 4
+    key_only_value_bits: Literal[2, 4, 8] = Field(
+        4, description="bits of a KEY_ONLY entry's value (per token and head, asymmetric below 8, as KIVI's values)"
+    )
     pressure_rate_ceiling: float = Field(
         0.9, ge=0.0, lt=1.0, description="under memory pressure running requests compress up to this rate"
     )

@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 
 KERNEL_EVENT = "conf_kv::decode_attention"  # the kernel's name in torch profiler traces
 # Storage formats as the kernel knows them.
-FORMAT_CODES: dict[str, int] = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, "int4": 4}
+FORMAT_CODES: dict[str, int] = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, "int4": 4, "int2": 5}
+KEY_ONLY_FORMATS = ("int2",)  # formats that hold KEY_ONLY values only, never a sequence's keys
 
 
 @dataclass
@@ -61,8 +62,8 @@ class PoolTensors:
         if self.params is None:
             return codes.to(dtype)
         p = self.params.flatten(0, 1).index_select(0, rows).transpose(0, 1)
-        bits = 8 if self.format == "int8" else 4
-        return dequantize(Quantized(codes, p[..., 0], p[..., 1] if bits == 4 else None, bits), dtype)
+        bits = int(self.format.removeprefix("int"))
+        return dequantize(Quantized(codes, p[..., 0], p[..., 1] if bits < 8 else None, bits), dtype)
 
 
 @dataclass

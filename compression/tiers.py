@@ -105,6 +105,40 @@ def threshold_bytes(
     return (full + protected_full) * full_bytes + (kept - full + protected_key_only) * key_only_bytes
 
 
+PYRAMID_BETA = 20.0  # PyramidKV's (and kvpress's) default: the top layer holds 1/beta of the mean
+ADAPTIVE_FLOOR = 0.2  # share of every layer's bytes given uniformly before the adaptive share (AdaKV's safeguard)
+
+
+def pyramid_weights(num_layers: int, beta: float = PYRAMID_BETA) -> torch.Tensor:
+    """PyramidKV's per-layer shares of a request's bytes, mean 1: an arithmetic sequence from the
+    bottom layer down to 1/beta at the top (lower layers attend broadly, upper ones to few entries)."""
+    if num_layers == 1:
+        return torch.ones(1)
+    low = 1.0 / beta
+    return torch.linspace(2.0 - low, low, num_layers)
+
+
+def adaptive_weights(values: list[torch.Tensor], floor: float = ADAPTIVE_FLOOR) -> torch.Tensor:
+    """Per-layer shares of a request's bytes, mean 1, from each layer's expected attention over its
+    unprotected entries (`values`: the forecast, or the observed attention): in proportion to the
+    distribution's effective number of entries, exp(entropy), so a layer whose attention spreads
+    wide holds more than one that looks at a few entries. `floor` of the bytes is shared uniformly,
+    so no layer is starved by a forecast that missed. A layer with nothing observed counts as average."""
+    spread = torch.empty(len(values))
+    for i, value in enumerate(values):
+        total = float(value.sum())
+        if value.numel() == 0 or total <= 0.0:
+            spread[i] = float("nan")
+            continue
+        p = value.float().clamp_min(0.0) / total
+        spread[i] = torch.exp(-(p * torch.log(p.clamp_min(1e-12))).sum())
+    known = ~spread.isnan()
+    if not known.any():
+        return torch.ones(len(values))
+    spread[~known] = spread[known].mean()
+    return floor + (1.0 - floor) * spread / spread.mean()
+
+
 def _limits(
     was_key_only: torch.Tensor,
     use_tiers: bool,

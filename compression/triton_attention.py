@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from compression.paged_attention import FORMAT_CODES, DecodeBatch, DecodeResult, PoolTensors
+from compression.paged_attention import FORMAT_CODES, KEY_ONLY_FORMATS, DecodeBatch, DecodeResult, PoolTensors
 
-INT8, INT4 = tl.constexpr(FORMAT_CODES["int8"]), tl.constexpr(FORMAT_CODES["int4"])
+INT8, INT4, INT2 = (tl.constexpr(FORMAT_CODES[name]) for name in ("int8", "int4", "int2"))
 # Elements of the [group, entries, head_dim] products a program holds per tile: bounds registers.
 TILE_ELEMENTS = 8192
 
@@ -47,18 +47,26 @@ def _load_vectors(
     vector = rows * KV_HEADS + kv_head
     mask2 = mask[:, None] & (d < HEAD_DIM)[None, :]
     if FORMAT == INT4:
-        # Low nibble of byte i is dimension i, high nibble dimension i + HEAD_DIM // 2.
-        column = d % (HEAD_DIM // 2)
-        byte = tl.load(data + vector[:, None] * (HEAD_DIM // 2) + column[None, :], mask=mask2, other=0).to(tl.int32)
-        codes = ((byte >> ((d >= HEAD_DIM // 2).to(tl.int32) * 4)[None, :]) & 0x0F).to(tl.float32)
-        scale = tl.load(params + vector * num_params, mask=mask, other=0.0).to(tl.float32)
-        minimum = tl.load(params + vector * num_params + 1, mask=mask, other=0.0).to(tl.float32)
-        return tl.where(mask2, codes * scale[:, None] + minimum[:, None], 0.0)
+        return _unpack(data, params, vector, d, mask, mask2, num_params, HEAD_DIM, 4)
+    if FORMAT == INT2:
+        return _unpack(data, params, vector, d, mask, mask2, num_params, HEAD_DIM, 2)
     x = tl.load(data + vector[:, None] * HEAD_DIM + d[None, :], mask=mask2, other=0).to(tl.float32)
     if FORMAT == INT8:
         scale = tl.load(params + vector * num_params, mask=mask, other=0.0).to(tl.float32)
         x = x * scale[:, None]
     return x
+
+
+@triton.jit
+def _unpack(data, params, vector, d, mask, mask2, num_params, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
+    """Packed codes dequantised: bits [k * BITS, (k + 1) * BITS) of byte i are dimension i + k * part."""
+    part = HEAD_DIM * BITS // 8
+    column = d % part
+    byte = tl.load(data + vector[:, None] * part + column[None, :], mask=mask2, other=0).to(tl.int32)
+    codes = ((byte >> ((d // part) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+    scale = tl.load(params + vector * num_params, mask=mask, other=0.0).to(tl.float32)
+    minimum = tl.load(params + vector * num_params + 1, mask=mask, other=0.0).to(tl.float32)
+    return tl.where(mask2, codes * scale[:, None] + minimum[:, None], 0.0)
 
 
 @triton.jit
@@ -316,6 +324,8 @@ def decode_attention_triton(batch: DecodeBatch) -> DecodeResult:
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n
     )
     for p in sorted(set(row_pool)):
+        if batch.pools[p].format in KEY_ONLY_FORMATS:
+            raise ValueError(f"{batch.pools[p].format} holds KEY_ONLY values only, not a row's keys")
         served = [r for r in range(rows) if row_pool[r] == p]
         data, params, num_params = _pool_arguments(batch.pools[p])
         fmt = FORMAT_CODES[batch.pools[p].format]

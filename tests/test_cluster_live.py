@@ -168,7 +168,7 @@ def test_a_replica_killed_under_locust_load_loses_no_request_and_comes_back(clus
 
 def test_prefix_affinity_beats_rays_default_router_on_conversations(cluster):
     """It redeploys: with our router, then with Ray's default one."""
-    convs = conversations(8, 4, words=300, seed=1)
+    convs = conversations(6, 3, words=300, seed=1)
     roomy = {**SETTINGS, "max_cache_size": "512MB"}  # every conversation's prefix fits, under either router
     deploy(cluster, replica_settings(**roomy, cluster={"replicas": 2}))
     ours = asyncio.run(run_conversations(cluster, convs, max_tokens=8, progress=False))

@@ -146,17 +146,19 @@ def test_storage_precision_counts_as_compression(model, tokenizer, storage):
     assert share <= metrics["compression_ratio"] <= share * 1.15
 
 
-def test_key_only_attention_error_is_bounded():
-    """Values quantised to int4 per token and head move each attention output by at most
-    max over entries of (value range / 30), since the output is a convex mix of the values."""
+@pytest.mark.parametrize("bits", [4, 2])
+def test_key_only_attention_error_is_bounded(bits):
+    """Values quantised to int4 (int2) per token and head move each attention output by at most
+    max over entries of (value range / 30 (6)): half a step, since the output is a convex mix of the values."""
     torch.manual_seed(0)
     values = torch.randn(3, 200, 64)
     probs = torch.rand(3, 5, 200).softmax(-1)
-    approx = dequantize(quantize(values, 4))
+    approx = dequantize(quantize(values, bits))
     error = (probs @ approx - probs @ values).abs().max()
     value_range = (values.amax(-1) - values.amin(-1)).max()
-    assert error <= value_range / 30 * 1.01
-    assert quantize(values, 4).nbytes < values.nbytes / 6
+    assert error <= value_range / (2 * (2**bits - 1)) * 1.01
+    assert quantize(values, bits).nbytes < values.nbytes / (6 if bits == 4 else 10)
+    assert len(torch.unique(quantize(values, bits).codes)) > 2 ** (8 - bits)  # every bit of a byte used
 
 
 def test_budget_demotes_lowest_confidence_first():
@@ -224,6 +226,17 @@ def test_kv_store_tiers_account_exactly():
     assert torch.allclose(view.key_only_values[:, 10:], -x[:, 20:30], atol=0.5)
     with pytest.raises(ValueError, match="cannot become FULL"):
         store.retier(1, {0: Keep(full=torch.tensor([0]), key_only=torch.tensor([], dtype=torch.long))})
+
+
+def test_key_only_values_at_two_bits_take_a_quarter_of_a_byte_per_dimension():
+    store = KVStore(num_layers=1, num_kv_heads=2, head_dim=16, max_bytes=10**7, storage="int8", key_only_bits=2)
+    x = torch.randn(2, 40, 16)  # [kv_heads, tokens, head_dim]
+    fill_store(store, 1, 40, keys=lambda layer: x)
+    store.retier(1, {0: Keep(full=torch.arange(30, 40), key_only=torch.arange(0, 30))})
+    assert store.pools["int2"].codec.width == 4 and store.entry_bytes()[1] == 2 * (16 + 2) + 2 * (4 + 4)
+    view = store.view(1, 0)
+    step = (x.amax(-1) - x.amin(-1))[:, :30] / 3  # values are -keys in fill_store
+    assert bool(((view.key_only_values + x[:, :30]).abs() <= step.unsqueeze(-1) / 2 + 1e-2).all())
 
 
 def test_config_file_matches_model_defaults():

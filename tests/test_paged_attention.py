@@ -117,6 +117,14 @@ def test_kernel_rejects_inconsistent_batches(kernel, change: dict) -> None:
 
 
 @needs_compiler
+def test_kernel_refuses_int2_keys_and_reads_int2_key_only_values(kernel) -> None:
+    with pytest.raises(RuntimeError, match="KEY_ONLY values only"):
+        run_kernel(kernel, small_batch([5, 5], [2, 0], fmt="int2"))
+    batch = small_batch([7, 13, 30], [0, 13, 11], fmt="int4", key_only_fmt="int2")
+    assert_matches(run_kernel(kernel, batch), decode_attention_reference(batch))
+
+
+@needs_compiler
 def test_decode_attention_uses_the_kernel_and_falls_back_when_disabled(kernel, monkeypatch) -> None:
     batch = small_batch([7, 13, 30], [0, 13, 11], fmt="int4")
     with_kernel = decode_attention(batch)

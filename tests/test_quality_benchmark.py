@@ -109,7 +109,9 @@ def test_kvpress_results_come_back_as_rows_scored_against_kvpress_uncompressed(t
     assert "| kvpress SnapKV | 75% (0.40) |" in table  # needle: score (memory kept)
     assert "| dynamic | 9.10 (0.00) |" in table  # perplexity column
     assert json.loads(out.with_suffix(".json").read_text())["rows"][2]["setup"]["source"] == "kvpress"
-    assert all(out.with_name(f"quality_{task}.png").stat().st_size > 0 for task in quality.TASKS)
+    measured = [task for task in quality.TASKS if not task.startswith("forced")]  # no row was teacher-forced
+    assert all(out.with_name(f"quality_{task}.png").stat().st_size > 0 for task in measured)
+    assert not out.with_name("quality_forced_kl.png").exists() and "top-1 agreement" not in table
 
 
 def test_the_kvpress_runner_is_stopped_when_our_side_fails_and_its_failure_is_reported(tmp_path, monkeypatch):
@@ -176,3 +178,64 @@ def test_long_answers_run_their_length_in_full(default_model, tokenizer):
     )
     assert len(tokens["summary-0"]) == 40
     assert quality.build_tasks(tokenizer, 0, 1, 600).ignore_eos == set()  # as shipped: up to 48, EOS ends them
+
+
+def test_kivi_quantises_keys_per_channel_and_values_per_token_within_half_a_step():
+    from benchmarks import kivi
+
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    x[..., 5] *= 20  # an outlier channel, as keys have
+    for dim in (2, 3):  # keys: groups of tokens per channel; values: groups of channels per token
+        got = kivi.fake_quantize(x, 2, dim)
+        groups = x.movedim(dim, -1).unflatten(-1, (-1, kivi.GROUP))
+        step = (groups.amax(-1) - groups.amin(-1)) / 3  # 2 bits: 4 levels
+        error = (got - x).abs().movedim(dim, -1).unflatten(-1, (-1, kivi.GROUP)).amax(-1)
+        assert bool((error <= step / 2 + 1e-2 * step + 1e-3).all())
+        assert len(torch.unique(got.movedim(dim, -1).unflatten(-1, (-1, kivi.GROUP))[0, 0, 0, 0])) <= 4
+    # Per channel, the outlier channel's range does not spread to the others: keys fare far better so.
+    keys_error = (kivi.fake_quantize(x, 2, dim=2) - x)[..., :5].abs().mean()
+    tokens_error = (kivi.fake_quantize(x, 2, dim=3) - x)[..., :5].abs().mean()
+    assert keys_error < tokens_error / 3
+    assert kivi.memory_kept(4160, 2, 32) == pytest.approx((4128 * 3 + 32 * 32) / (4160 * 32))  # 32 in the residual
+
+
+def test_kivi_at_full_width_answers_as_the_model_does(default_model, tokenizer):
+    """The cache surgery is exact: at 16 bits KIVI's answer is the model's own greedy answer."""
+    from benchmarks import kivi
+
+    prompt = tokenizer(" ".join(f"Item {i} is filed under box {i % 7}." for i in range(40))).input_ids[:200]
+    with torch.inference_mode():
+        want = default_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, 200:]
+    answers = kivi.generate(default_model, prompt, [16, 2], 12)
+    assert answers[16] == want.tolist()
+    assert answers[2] != answers[16]  # 2 bits on this model moves the answer
+
+
+def test_the_long_preset_puts_every_row_at_the_frontier(monkeypatch, tokenizer):
+    from compression.config import CompressionConfig, resolve
+
+    monkeypatch.setattr(sys, "argv", ["quality.py", "--long", "--needles", "4"])
+    args = quality.parse_args()
+    assert args.needles == 4 and args.needle_lengths == [4000, 7000] and not args.forced
+    plan = quality.setups(
+        args.rates,
+        tuple(args.policies),
+        uniform=tuple(args.uniform),
+        baseline_storage=args.baseline_storage,
+        dynamic_storages=tuple(args.dynamic_storages),
+        layer_budgets=tuple(args.layer_budgets),
+        kivi=tuple(args.kivi),
+        key_only_bits=tuple(args.key_only_bits),
+    )
+    labels = {s.label for s in plan}
+    assert {"uncompressed", "uniform int4", "KIVI-2", "KIVI-4", "dynamic", "dynamic, int4", "tova, int8"} <= labels
+    assert {"snapkv, int8", "dynamic, pyramid layers", "dynamic, adaptive layers"} <= labels
+    assert {s.key_only_bits for s in plan if s.label == "dynamic, 2-bit KEY_ONLY values"} == {2}
+    assert {s.rate for s in plan if s.rate} == {0.875, 0.95, 0.97}
+    pyramid = next(s for s in plan if s.layer_budget == "pyramid")
+    assert resolve(CompressionConfig(), quality.request_of(pyramid), True, False).layer_budget == "pyramid"
+    tasks = quality.build_tasks(tokenizer, 2, 0, 0, needle_lengths=(4000, 7000))
+    assert [c.context_tokens for c in tasks.needles] == [4000, 7000] and tasks.perplexity_ids == []
+    assert 3900 < len(tasks.prompts["needle-4000-0"]) < 4400 and 6800 < len(tasks.prompts["needle-7000-1"]) < 7700
+    row = Row(Setup("uncompressed", "auto", "none", 0.0), needle_relative=1.0)
+    assert set(quality.measured_tasks([row])) == {"needle"}

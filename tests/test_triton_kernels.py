@@ -25,7 +25,15 @@ from compression import kernels, triton_attention, triton_blocks  # noqa: E402
 from compression.block_pool import BlockPool, Codec  # noqa: E402
 from compression.kv_store import Keep, KVStore  # noqa: E402
 from compression.paged_attention import DecodeBatch, decode_attention, decode_attention_reference  # noqa: E402
-from tests.helpers import FORMATS, INCONSISTENT, assert_matches, batches, fill_store, small_batch  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    FORMATS,
+    INCONSISTENT,
+    KEY_ONLY_VALUE_FORMATS,
+    assert_matches,
+    batches,
+    fill_store,
+    small_batch,
+)
 
 KERNELS = [
     triton_attention._attend,
@@ -58,10 +66,15 @@ def test_attention_matches_reference_over_many_tiles(batch: DecodeBatch) -> None
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("key_only_fmt", FORMATS)
+@pytest.mark.parametrize("key_only_fmt", KEY_ONLY_VALUE_FORMATS)
 def test_every_pair_of_formats(fmt: str, key_only_fmt: str) -> None:
     batch = small_batch([7, 13, 30], [0, 13, 11], fmt=fmt, key_only_fmt=key_only_fmt)
     assert_matches(triton_attention.decode_attention_triton(batch), decode_attention_reference(batch))
+
+
+def test_int2_holds_key_only_values_and_never_keys() -> None:
+    with pytest.raises(ValueError, match="KEY_ONLY values only"):
+        triton_attention.decode_attention_triton(small_batch([5, 5], [2, 0], fmt="int2"))
 
 
 def test_empty_sequence_gives_zeros_and_minus_infinity() -> None:

@@ -27,7 +27,7 @@
 
 namespace {
 
-enum Format : int64_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt8 = 3, kInt4 = 4 };
+enum Format : int64_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt8 = 3, kInt4 = 4, kInt2 = 5 };
 
 constexpr int64_t kTile = 64;  // entries scored per online-softmax step
 // Entries per work item. Splitting long sequences keeps every thread busy when a batch has few rows; the
@@ -98,7 +98,8 @@ constexpr int64_t entry_bytes(int64_t dim) {
   if constexpr (F == kFloat32) return dim * 4;
   if constexpr (F == kFloat16 || F == kBFloat16) return dim * 2;
   if constexpr (F == kInt8) return dim;
-  return dim / 2;
+  if constexpr (F == kInt4) return dim / 2;
+  return dim / 4;
 }
 
 // The vector of entry `e` as float32: a pointer into the pool for float32, else decoded into `buf`.
@@ -119,7 +120,7 @@ CONFKV_INLINE const float* load(const Pool& pool, int64_t e, int64_t dim, float*
     const float scale = half_to_float(pool.params[e * pool.num_params]);
 #pragma omp simd
     for (int64_t i = 0; i < dim; ++i) buf[i] = static_cast<float>(src[i]) * scale;
-  } else {
+  } else if constexpr (F == kInt4) {
     // Low nibble of byte i is dimension i, high nibble dimension i + dim / 2.
     const int64_t half = dim / 2;
     const uint8_t* src = pool.data + e * half;
@@ -129,6 +130,19 @@ CONFKV_INLINE const float* load(const Pool& pool, int64_t e, int64_t dim, float*
     for (int64_t i = 0; i < half; ++i) {
       buf[i] = static_cast<float>(src[i] & 0x0f) * scale + minimum;
       buf[i + half] = static_cast<float>(src[i] >> 4) * scale + minimum;
+    }
+  } else {
+    // Bits 2k..2k+1 of byte i are dimension i + k * dim / 4 (KEY_ONLY values only).
+    const int64_t quarter = dim / 4;
+    const uint8_t* src = pool.data + e * quarter;
+    const float scale = half_to_float(pool.params[e * pool.num_params]);
+    const float minimum = half_to_float(pool.params[e * pool.num_params + 1]);
+#pragma omp simd
+    for (int64_t i = 0; i < quarter; ++i) {
+      buf[i] = static_cast<float>(src[i] & 0x03) * scale + minimum;
+      buf[i + quarter] = static_cast<float>((src[i] >> 2) & 0x03) * scale + minimum;
+      buf[i + 2 * quarter] = static_cast<float>((src[i] >> 4) & 0x03) * scale + minimum;
+      buf[i + 3 * quarter] = static_cast<float>(src[i] >> 6) * scale + minimum;
     }
   }
   return buf;
@@ -296,8 +310,10 @@ CONFKV_INLINE void accumulate_key_only(const Args& a, const Pool& pool, Cursor& 
       return accumulate_values<kBFloat16>(a, pool, values, kv_head, 0, end, acc, s);
     case kInt8:
       return accumulate_values<kInt8>(a, pool, values, kv_head, 0, end, acc, s);
-    default:
+    case kInt4:
       return accumulate_values<kInt4>(a, pool, values, kv_head, 0, end, acc, s);
+    default:
+      return accumulate_values<kInt2>(a, pool, values, kv_head, 0, end, acc, s);
   }
 }
 
@@ -473,9 +489,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
     const at::Tensor& data = pool_data[i];
     const at::Tensor& params = pool_params[i];
     const int64_t format = pool_formats[i];
-    static const at::ScalarType dtypes[] = {at::kFloat, at::kHalf, at::kBFloat16, at::kChar, at::kByte};
-    TORCH_CHECK(format >= kFloat32 && format <= kInt4, "pool ", i, ": unknown format code ", format);
-    const int64_t width = format == kInt4 ? dim / 2 : dim;
+    static const at::ScalarType dtypes[] = {at::kFloat, at::kHalf, at::kBFloat16, at::kChar, at::kByte, at::kByte};
+    TORCH_CHECK(format >= kFloat32 && format <= kInt2, "pool ", i, ": unknown format code ", format);
+    const int64_t width = format == kInt4 ? dim / 2 : format == kInt2 ? dim / 4 : dim;
     TORCH_CHECK(data.device().is_cpu() && data.is_contiguous() && data.scalar_type() == dtypes[format] &&
                     data.dim() == 4 && data.size(1) == block_size && data.size(2) == a.kv_heads &&
                     data.size(3) == width,
@@ -486,8 +502,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
     pool.format = format;
     pool.num_blocks = data.size(0);
     pool.kv_heads = a.kv_heads;
-    if (format == kInt8 || format == kInt4) {
-      const int64_t needed = format == kInt4 ? 2 : 1;
+    if (format >= kInt8) {
+      const int64_t needed = format == kInt8 ? 1 : 2;
       TORCH_CHECK(params.device().is_cpu() && params.is_contiguous() && params.scalar_type() == at::kHalf &&
                       params.dim() == 4 && params.size(0) == data.size(0) && params.size(1) == block_size &&
                       params.size(2) == a.kv_heads && params.size(3) >= needed,
@@ -533,6 +549,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
     TORCH_CHECK(n >= 0 && n_key_only >= 0 && n_key_only <= n, "slot ", slot, ": bad num_keys ", n,
                 " / num_key_only ", n_key_only);
     const Pool& pool = a.pools[a.row_pool[r]];
+    TORCH_CHECK(pool.format != kInt2, "row ", r, ": int2 holds KEY_ONLY values only, not keys");
     check_table(a.key_tables + slot * a.key_stride, a.key_stride, n, block_size, pool, "key_tables");
     check_table(a.value_tables + slot * a.value_stride, a.value_stride, n - n_key_only, block_size, pool,
                 "value_tables");
