@@ -242,7 +242,7 @@ def request_of(setup: Setup, interval: int | None = None) -> dict:
 
 
 def new_engine(model, tokenizer, future_value: FutureValue | None, key_only_bits: int = 4) -> LLMEngine:
-    config = EngineConfig(max_cache_bytes=2**33, max_num_seqs=8, max_num_batched_tokens=1024)
+    config = EngineConfig(max_cache_bytes=2**33, max_num_seqs=8, max_num_batched_tokens=1024, prefix_cache=True)
     return LLMEngine(model, tokenizer, config, CompressionConfig(key_only_value_bits=key_only_bits), future_value)
 
 

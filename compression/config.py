@@ -158,10 +158,10 @@ class CompressionParams(CompressionConfig):
 
     @property
     def fingerprint(self) -> str:
-        """What a cached KV state depends on: reuse it only under the same settings."""
-        if not self.active:
-            return f"none/{self.kv_cache_dtype}"
-        return self.model_dump_json(exclude={"stats", "inspect"})
+        """What a parked KV state depends on: the precision it is stored at, nothing else. Only
+        exact entries are parked (a prompt before its compression, a request that dropped and
+        demoted nothing), so a request reuses them whatever its own policy, rate or thresholds."""
+        return self.kv_cache_dtype
 
     def scorer(self) -> ScorePolicy | None:
         """This request's policy with its options; None for a request that does not compress."""

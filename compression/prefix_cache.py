@@ -10,7 +10,7 @@ A finished request that compressed is not parked: its cache was pruned for its o
 second question about the same document would start from it (see docs/design.md).
 
 A new request whose tokens start with a parked entry's tokens (the longest common prefix, under
-the same compression fingerprint) starts from those entries, sharing their blocks, and prefills
+the same storage precision, whatever the compression settings) starts from those entries, sharing their blocks, and prefills
 only the rest. Parked bytes count against `max_cache_size`; under memory pressure they are the
 first to go, by LRU-K.
 """

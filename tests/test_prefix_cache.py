@@ -75,18 +75,27 @@ def test_a_prompt_equal_to_a_cached_one_still_computes_its_last_token(model, tok
     assert tokens_of(again) == tokens_of(run(make_engine(model, tokenizer), "c", prompt, max_tokens=6))
 
 
-def test_reuse_needs_the_same_compression_settings(model, tokenizer):
+def test_reuse_needs_the_same_storage_precision_and_no_more(model, tokenizer):
+    """What is parked is exact at its storage precision, so another policy or rate reuses it and
+    answers as a fresh request; another precision does not."""
     engine = make_engine(model, tokenizer, compression=SETTINGS, prefix_cache=True)
     prompt = ids(tokenizer, 200, seed=4)
     run(engine, "a", prompt, policy="h2o", compression_rate=0.5)
     longer = prompt + ids(tokenizer, 30, seed=5)
-    assert run(engine, "b", longer, policy="snapkv", compression_rate=0.5)[-1].cached_prompt_tokens == 0
-    hit = run(engine, "c", longer, policy="h2o", compression_rate=0.5)[-1]
+    assert (
+        run(engine, "b", longer, policy="h2o", compression_rate=0.5, kv_cache_dtype="int4")[-1].cached_prompt_tokens
+        == 0
+    )
+    hit = run(engine, "c", longer, policy="snapkv", compression_rate=0.6)
     # What "a" and "c" share, but the last 32 queries, which "c"'s compression observes.
-    assert hit.cached_prompt_tokens == min(len(prompt), len(longer) - engine.compression_config.observation_window)
-    metrics = hit.compression_metrics
+    assert hit[-1].cached_prompt_tokens == min(len(prompt), len(longer) - engine.compression_config.observation_window)
+    metrics = hit[-1].compression_metrics
     assert metrics["hit_rate"] > 0.8
-    assert metrics["compressed_size"] <= 0.5 * metrics["original_size"] + 24 * engine.store.model_token_bytes
+    assert metrics["compressed_size"] <= 0.4 * metrics["original_size"] + 24 * engine.store.model_token_bytes
+    fresh = make_engine(model, tokenizer, compression=SETTINGS)
+    alone = run(fresh, "c", longer, policy="snapkv", compression_rate=0.6)
+    assert tokens_of(hit) == tokens_of(alone)
+    assert metrics["entries"] == alone[-1].compression_metrics["entries"]
 
 
 def test_concurrent_reusers_never_see_each_others_writes(model, tokenizer):

@@ -239,3 +239,18 @@ def test_the_long_preset_puts_every_row_at_the_frontier(monkeypatch, tokenizer):
     assert 3900 < len(tasks.prompts["needle-4000-0"]) < 4400 and 6800 < len(tasks.prompts["needle-7000-1"]) < 7700
     row = Row(Setup("uncompressed", "auto", "none", 0.0), needle_relative=1.0)
     assert set(quality.measured_tasks([row])) == {"needle"}
+
+
+def test_a_shared_engine_takes_prompts_from_the_prefix_cache_and_keeps_what_a_fresh_one_keeps(default_model, tokenizer):
+    """The benchmark runs the setups of one storage on one engine: later setups reuse the prompts,
+    all but the tokens their compression observes, and answer and keep exactly as on a fresh engine."""
+    tasks = quality.build_tasks(tokenizer, 2, 0, 0, needle_lengths=(400,))
+    first, second = Setup("tova", "int8", "tova", 0.9), Setup("dynamic", "int8", "dynamic", 0.9)
+    engine = quality.new_engine(default_model, tokenizer, None)
+    quality.run_setup(default_model, tokenizer, first, tasks, None, engine)
+    shared = quality.run_setup(default_model, tokenizer, second, tasks, None, engine)
+    fresh = quality.run_setup(default_model, tokenizer, second, tasks, None)
+    assert shared[1] == fresh[1]  # the same answers, token for token
+    for name, metrics in shared[2].items():
+        assert metrics["hit_rate"] > 0.8 and fresh[2][name]["hit_rate"] == 0.0
+        assert metrics["entries"] == fresh[2][name]["entries"]  # what each tier holds
