@@ -9,9 +9,9 @@ What is parked must serve any later question, so only query-agnostic KV is parke
 A finished request that compressed is not parked: its cache was pruned for its own question, and a
 second question about the same document would start from it (see docs/design.md).
 
-A new request whose tokens start with a parked entry's tokens (the longest common prefix, under
-the same storage precision, whatever the compression settings) starts from those entries, sharing their blocks, and prefills
-only the rest. Parked bytes count against `max_cache_size`; under memory pressure they are the
+A new request whose tokens start with a parked entry's tokens (the longest common prefix, at the
+same storage precision, whatever its compression settings) starts from those entries, sharing
+their blocks, and prefills only the rest. Parked bytes count against `max_cache_size`; under memory pressure they are the
 first to go, by LRU-K.
 """
 
