@@ -11,8 +11,8 @@ second question about the same document would start from it (see docs/design.md)
 
 A new request whose tokens start with a parked entry's tokens (the longest common prefix, at the
 same storage precision, whatever its compression settings) starts from those entries, sharing
-their blocks, and prefills only the rest. Parked bytes count against `max_cache_size`; under memory pressure they are the
-first to go, by LRU-K.
+their blocks, and prefills only the rest. Parked bytes count against `max_cache_size`; under
+memory pressure they are the first to go, by LRU-K.
 """
 
 from __future__ import annotations
