@@ -159,5 +159,6 @@ def _limits(
 
 
 def _fits(budget: float, cost: int, most: int) -> int:
-    """How many entries of `cost` bytes `budget` holds (at most `most`; an unlimited budget holds all)."""
-    return most if math.isinf(budget) else int(budget // cost)
+    """How many entries of `cost` bytes `budget` holds (at most `most`; an unlimited budget, or a
+    free step, as raising KEY_ONLY to FULL is where values are stored as keys are, holds all)."""
+    return most if math.isinf(budget) or cost <= 0 else int(budget // cost)

@@ -138,9 +138,9 @@ def test_a_replica_killed_under_locust_load_loses_no_request_and_comes_back(clus
 
     before = set(by_replica(cluster, "kv_cache_capacity_bytes"))
     out = tmp_path / "load"
-    load = threading.Thread(target=run.run_locust, args=(cluster, 6, 3, "45s", out))
+    load = threading.Thread(target=run.run_locust, args=(cluster, 6, 3, "30s", out))
     load.start()
-    time.sleep(15)
+    time.sleep(10)
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in a["name"]]
     victim = names[0]
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
@@ -149,7 +149,7 @@ def test_a_replica_killed_under_locust_load_loses_no_request_and_comes_back(clus
 
     rows = list(csv.DictReader((tmp_path / "load_stats.csv").read_text().splitlines()))
     total = next(row for row in rows if row["Name"] == "Aggregated")
-    assert int(total["Request Count"]) >= 20
+    assert int(total["Request Count"]) >= 12
     failures = list(csv.DictReader((tmp_path / "load_failures.csv").read_text().splitlines()))
     lost = [(f["Name"], f["Error"]) for f in failures if "replica serving this stream died" not in f["Error"]]
     assert not lost, lost  # only streams already under way may end, with the documented error event

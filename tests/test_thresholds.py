@@ -100,6 +100,14 @@ def test_the_thresholds_bytes_are_those_of_their_plan(confidence, thresholds, da
     assert counted == cost(plan)
 
 
+def test_where_key_only_costs_what_full_does_the_kept_entries_are_raised_to_full():
+    """int4 storage with 4-bit KEY_ONLY values: raising an entry to FULL is free."""
+    scores = torch.arange(10, dtype=torch.float32)
+    protected = torch.zeros(10, dtype=torch.bool)
+    plan = plan_tiers(scores, protected, 0, 5 * FULL, FULL, FULL, True)
+    assert tiers(plan) == (set(range(5, 10)), set(), set(range(5)))
+
+
 def test_an_entry_kept_before_stays_down_to_the_drop_line():
     c = torch.tensor([0.95, 0.8, 0.6, 0.4])
     protected = torch.zeros(4, dtype=torch.bool)
@@ -198,3 +206,14 @@ def test_the_thresholds_judge_the_request_and_every_layer_holds_as_much(tokenize
     assert sum(layer_bytes) <= 300 * full + 2 * full  # ...half of the cache in all, the first layer's worth
     assert all(kv.length < 300 for kv in held)
     run_to_completion(engine)
+
+
+def test_dynamic_at_int4_storage_runs_to_the_end(tokenizer):
+    """Its KEY_ONLY entries cost what FULL ones do: once a division by zero in the plan."""
+    model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    engine = make_engine(model, tokenizer, compression={"recent_window": 16, "compression_interval": 8})
+    ids = [int(t) for t in torch.randint(3, len(tokenizer), (300,), generator=torch.Generator().manual_seed(3))]
+    request = {"policy": "dynamic", "compression_rate": 0.9, "kv_cache_dtype": "int4"}
+    engine.add_request("r", ids, greedy(20, ignore_eos=True), resolve(engine.compression_config, request, True, True))
+    metrics = run_to_completion(engine)["r"][-1].compression_metrics
+    assert metrics["entries"]["dropped"] > 0 and metrics["entries"]["key_only"] == 0  # raised: FULL costs no more
