@@ -68,7 +68,7 @@ DEFAULT_ROWS = ("dynamic", ATTENTION_ONLY)
 RATE_ONLY = "dynamic, rate only"  # dynamic with its thresholds off, the rate alone deciding: the sweep's comparison
 LONG = {  # --long: the frontier where the model's context ends and bytes are fewest (make bench-quality-long)
     "needle_lengths": [4000, 7000],
-    "needles": 16,
+    "needles": 12,
     "summaries": 0,
     "perplexity_tokens": 0,
     "forced": False,  # a second prefill per case and setup: more than the hour allows at these lengths
