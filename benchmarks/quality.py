@@ -497,13 +497,9 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def run_ours(args, model, tokenizer, tasks: Tasks, future_value: FutureValue | None) -> list[Row]:
-    """Every setup of ours in turn. Setups of one storage format share an engine, so a prompt is
-    prefilled once and later setups take it from the prefix cache, as a server would: all of it but
-    the last `observation_window` tokens, which every compressing request computes (their queries
-    are what its end-of-prefill compression observes), so what each setup keeps is its own."""
-    rows: list[Row] = []
-    plan = setups(
+def plan_of(args: argparse.Namespace) -> list[Setup]:
+    """Our setups, as the command line asks."""
+    return setups(
         args.rates,
         tuple(args.policies),
         args.doubt_weights,
@@ -516,6 +512,15 @@ def run_ours(args, model, tokenizer, tasks: Tasks, future_value: FutureValue | N
         tuple(args.kivi),
         tuple(args.key_only_bits),
     )
+
+
+def run_ours(args, model, tokenizer, tasks: Tasks, future_value: FutureValue | None) -> list[Row]:
+    """Every setup of ours in turn. Setups of one storage format share an engine, so a prompt is
+    prefilled once and later setups take it from the prefix cache, as a server would: all of it but
+    the last `observation_window` tokens, which every compressing request computes (their queries
+    are what its end-of-prefill compression observes), so what each setup keeps is its own."""
+    rows: list[Row] = []
+    plan = plan_of(args)
     engines: dict[tuple[str, int], LLMEngine] = {}
     kivi_runs: dict[int, Row] = {}
     for i, setup in enumerate(tqdm(plan, desc="our setups", unit="setup")):
