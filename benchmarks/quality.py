@@ -80,6 +80,8 @@ LONG = {  # --long: the frontier where the model's context ends and bytes are fe
     "uniform": ["int4"],
     "kivi": [2, 4],
     "key_only_bits": [2],
+    "poolings": ["max"],  # the previous default
+    "fixed_rates": [0.875, 0.95, 0.97],  # the rate alone deciding, at the ceiling's bytes
     "out": RESULTS / "quality_long",
 }
 PPL_FORCED = 512  # the perplexity text's last tokens, teacher-forced; the rest is prefilled uncompressed
@@ -101,6 +103,7 @@ class Setup:
     layer_budget: str | None = None  # the config's (uniform), or this sharing of bytes among layers
     kivi_bits: int | None = None  # KIVI as published at this width (benchmarks/kivi.py), not our engine
     key_only_bits: int = 4  # the server's key_only_value_bits: what KEY_ONLY values are stored at
+    pooling: str | None = None  # dynamic: its own default, or this pooling over neighbours
 
 
 @dataclass
@@ -148,6 +151,7 @@ def setups(
     layer_budgets: tuple[str, ...] = (),
     kivi: tuple[int, ...] = (),
     key_only_bits: tuple[int, ...] = (),
+    poolings: tuple[str, ...] = (),
 ) -> list[Setup]:
     """Uncompressed first (the others are scored against it), then what is asked for."""
     plan = [Setup("uncompressed", "auto", "none", 0.0)]
@@ -166,6 +170,7 @@ def setups(
             Setup(f"dynamic, {bits}-bit KEY_ONLY values", "int8", "dynamic", rate, key_only_bits=bits)
             for bits in key_only_bits
         ]
+        plan += [Setup(f"dynamic, {kind}-pooled", "int8", "dynamic", rate, pooling=kind) for kind in poolings]
         if ATTENTION_ONLY in labels:
             plan.append(Setup(ATTENTION_ONLY, "int8", "dynamic", rate, value_predictor=False))
         # The direction of model confidence: > 0 raises tokens sampled in doubt (dynamic's default),
@@ -232,6 +237,8 @@ def request_of(setup: Setup, interval: int | None = None) -> dict:
         options["doubt_weight"] = setup.doubt_weight
     if setup.thresholds_decide is not None:
         options["thresholds_decide"] = setup.thresholds_decide
+    if setup.pooling is not None:
+        options["pooling"] = setup.pooling
     if setup.thresholds is not None:
         request["thresholds"] = dict(zip(("high", "medium"), setup.thresholds, strict=True))
     if setup.layer_budget is not None:
@@ -470,6 +477,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--key-only-bits", type=int, nargs="*", default=[], help="also dynamic with KEY_ONLY values at these bits"
     )
+    parser.add_argument(
+        "--poolings", nargs="*", default=[], help="also dynamic pooled over neighbours this way (avg, max)"
+    )
     parser.add_argument("--no-forced", dest="forced", action="store_false", help="no teacher-forced fidelity")
     parser.add_argument("--peers", action="store_true", help="also run kvpress's presses (make bench-peers)")
     parser.add_argument("--presses", nargs="+", default=None, help="kvpress presses (default: all)")
@@ -483,7 +493,8 @@ def parse_args() -> argparse.Namespace:
         "--long",
         action="store_true",
         help="the long-context frontier: needles at 4k and 7k tokens, rates 0.875/0.95/0.97, baselines at int8, "
-        "KIVI-2/4, dynamic at int4 and with per-layer budgets; no summaries, perplexity or teacher forcing",
+        "KIVI-2/4, dynamic at int4, with per-layer budgets, max-pooled and with the rate alone deciding; no summaries, "
+        "perplexity or teacher forcing",
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "quality")
     if parser.parse_known_args()[0].long:
@@ -511,6 +522,7 @@ def plan_of(args: argparse.Namespace) -> list[Setup]:
         tuple(args.layer_budgets),
         tuple(args.kivi),
         tuple(args.key_only_bits),
+        tuple(args.poolings),
     )
 
 

@@ -67,7 +67,7 @@ class CompressionSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
     policy: str = Field("dynamic", description=f"one of {', '.join(policy_names())}; `none` does not compress")
-    policy_options: dict[str, dict[str, float | int | bool]] = Field(
+    policy_options: dict[str, dict[str, float | int | bool | str]] = Field(
         default_factory=dict,
         description='parameters of policies by policy name (a policy\'s fields), e.g. {"snapkv": {"kernel_size": 7}}',
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from functools import cache
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -158,8 +158,10 @@ class Dynamic(ScorePolicy):
 
     The future value is the attention the value predictor expects over the coming window when it
     ran, else the decayed observed attention: old observations fade (`decay` per observation), so
-    entries that mattered once but no longer do can leave. The pooling keeps the neighbours of
-    attended tokens (facts span several tokens). Tokens the model sampled with low confidence
+    entries that mattered once but no longer do can leave. Averaging over neighbours (`pooling`,
+    as SnapKV does) ranks runs of attended tokens above isolated peaks: a fact spans several
+    tokens, and a peak's neighbours, which max-pooling raised to the peak, spend the budget on
+    tokens nobody attends to. Tokens the model sampled with low confidence
     mark points where the text could have gone another way; they get up to `doubt_weight` more.
     Its retention confidence is that score as a calibrated probability of being needed
     (`compression.predictor.calibration`). With `thresholds_decide` the thresholds set how many
@@ -173,7 +175,8 @@ class Dynamic(ScorePolicy):
     uses_predictor = True
     thresholds_decide: bool = True  # a field here: requests may turn it off (policy_options)
     decay: float = 0.95  # per observation
-    kernel_size: int = 3
+    kernel_size: int = 5
+    pooling: Literal["avg", "max"] = "avg"  # over `kernel_size` neighbours
     doubt_weight: float = 0.5
     confident_extra_rate: float = 0.1  # share of the remaining bytes also removed while the model is confident
 
@@ -185,11 +188,11 @@ class Dynamic(ScorePolicy):
         return 1.0 + self.doubt_weight * (1.0 - token_confidence)
 
     def score(self, entries: LayerEntries) -> torch.Tensor:
-        return _pool(entries.value, self.kernel_size, "max") * self.doubt(entries.token_confidence)
+        return _pool(entries.value, self.kernel_size, self.pooling) * self.doubt(entries.token_confidence)
 
     def retention(self, entries: LayerEntries, scores: torch.Tensor) -> torch.Tensor | None:
-        """P(needed) of the score over the average held entry's value: pooling takes the larger of
-        neighbours' scores, so an entry's confidence is its own or its likeliest neighbour's."""
+        """P(needed) of the score over the average held entry's value: the confidence of its
+        neighbourhood's mean value (max-pooled: its own or its likeliest neighbour's)."""
         calibration = entries.calibration
         if not self.thresholds_decide or calibration is None:
             return None
@@ -207,7 +210,7 @@ class Dynamic(ScorePolicy):
         return rate + self.confident_extra_rate * (1.0 - rate) * confident
 
 
-def _pool(x: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
+def _pool(x: torch.Tensor, kernel: int, kind: Literal["avg", "max"]) -> torch.Tensor:
     if x.numel() < kernel:
         return x
     pool = F.max_pool1d if kind == "max" else F.avg_pool1d

@@ -71,12 +71,30 @@ def test_policy_options_are_the_policy_fields_and_unknown_ones_are_refused():
         make_policy("snapkv", {"kernel_size": "wide"})
 
 
+def test_dynamic_ranks_a_run_of_attended_tokens_above_a_lone_peaks_neighbours():
+    # A fact spans several tokens: averaged over neighbours, the run (positions 20-26) outranks
+    # the tokens beside a single spike (positions 9 and 11), which max-pooling raises to the spike.
+    value = torch.full((40,), 0.01)
+    value[10] = 1.0
+    value[20:27] = 0.5
+    entries = LayerEntries(
+        keys=None, positions=torch.arange(40), attention=value, token_confidence=torch.ones(40), position=39, layer=0
+    )
+    averaged = make_policy("dynamic").score(entries)
+    assert averaged[[9, 11]].max() < averaged[21:26].min()
+    maxed = make_policy("dynamic", {"pooling": "max"}).score(entries)
+    assert maxed[[9, 11]].min() > maxed[21:26].max()
+    with pytest.raises(ValueError, match="pooling"):
+        make_policy("dynamic", {"pooling": "median"})
+
+
 @pytest.mark.parametrize(
     ("request_body", "field"),
     [
         ({"recent_window": 16}, "compression.recent_window"),  # a server setting, not a request's
         ({"policy_options": {"snapkv": {"kernel": 7}}}, "compression.policy_options"),
         ({"policy_options": {"magic": {}}}, "compression.policy_options"),
+        ({"policy_options": {"dynamic": {"pooling": "median"}}}, "compression.policy_options.pooling"),
         ({"policy": "magic"}, "compression.policy"),
         ({"thresholds": {"high": 0.5}}, "compression.thresholds"),
         ({"prediction_window": 64}, "compression.prediction_window"),  # not the window the predictor learned

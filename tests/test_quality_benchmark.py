@@ -223,6 +223,9 @@ def test_the_long_preset_puts_every_row_at_the_frontier(monkeypatch, tokenizer):
     assert {"snapkv, int8", "dynamic, pyramid layers", "dynamic, adaptive layers"} <= labels
     assert {s.key_only_bits for s in plan if s.label == "dynamic, 2-bit KEY_ONLY values"} == {2}
     assert {s.rate for s in plan if s.rate} == {0.875, 0.95, 0.97}
+    maxed = next(s for s in plan if s.label == "dynamic, max-pooled")
+    assert resolve(CompressionConfig(), quality.request_of(maxed), True, False).scorer().pooling == "max"
+    assert {s.rate for s in plan if s.label == "dynamic, rate only"} == {0.875, 0.95, 0.97}
     pyramid = next(s for s in plan if s.layer_budget == "pyramid")
     assert resolve(CompressionConfig(), quality.request_of(pyramid), True, False).layer_budget == "pyramid"
     tasks = quality.build_tasks(tokenizer, 2, 0, 0, needle_lengths=(4000, 7000))
