@@ -80,7 +80,7 @@ LONG = {  # --long: the frontier where the model's context ends and bytes are fe
     "uniform": ["int4"],
     "kivi": [2, 4],
     "key_only_bits": [2],
-    "poolings": ["max"],  # the previous default
+    "poolings": [("max", 3)],  # the previous default
     "fixed_rates": [0.875, 0.95, 0.97],  # the rate alone deciding, at the ceiling's bytes
     "out": RESULTS / "quality_long",
 }
@@ -103,7 +103,7 @@ class Setup:
     layer_budget: str | None = None  # the config's (uniform), or this sharing of bytes among layers
     kivi_bits: int | None = None  # KIVI as published at this width (benchmarks/kivi.py), not our engine
     key_only_bits: int = 4  # the server's key_only_value_bits: what KEY_ONLY values are stored at
-    pooling: str | None = None  # dynamic: its own default, or this pooling over neighbours
+    pooling: tuple[str, int] | None = None  # dynamic: its own pooling over neighbours, or (this kind, over this many)
 
 
 @dataclass
@@ -151,7 +151,7 @@ def setups(
     layer_budgets: tuple[str, ...] = (),
     kivi: tuple[int, ...] = (),
     key_only_bits: tuple[int, ...] = (),
-    poolings: tuple[str, ...] = (),
+    poolings: tuple[tuple[str, int], ...] = (),
 ) -> list[Setup]:
     """Uncompressed first (the others are scored against it), then what is asked for."""
     plan = [Setup("uncompressed", "auto", "none", 0.0)]
@@ -170,7 +170,10 @@ def setups(
             Setup(f"dynamic, {bits}-bit KEY_ONLY values", "int8", "dynamic", rate, key_only_bits=bits)
             for bits in key_only_bits
         ]
-        plan += [Setup(f"dynamic, {kind}-pooled", "int8", "dynamic", rate, pooling=kind) for kind in poolings]
+        plan += [
+            Setup(f"dynamic, {kind}-pooled over {size}", "int8", "dynamic", rate, pooling=(kind, size))
+            for kind, size in poolings
+        ]
         if ATTENTION_ONLY in labels:
             plan.append(Setup(ATTENTION_ONLY, "int8", "dynamic", rate, value_predictor=False))
         # The direction of model confidence: > 0 raises tokens sampled in doubt (dynamic's default),
@@ -238,7 +241,7 @@ def request_of(setup: Setup, interval: int | None = None) -> dict:
     if setup.thresholds_decide is not None:
         options["thresholds_decide"] = setup.thresholds_decide
     if setup.pooling is not None:
-        options["pooling"] = setup.pooling
+        options["pooling"], options["kernel_size"] = setup.pooling
     if setup.thresholds is not None:
         request["thresholds"] = dict(zip(("high", "medium"), setup.thresholds, strict=True))
     if setup.layer_budget is not None:
@@ -478,7 +481,11 @@ def parse_args() -> argparse.Namespace:
         "--key-only-bits", type=int, nargs="*", default=[], help="also dynamic with KEY_ONLY values at these bits"
     )
     parser.add_argument(
-        "--poolings", nargs="*", default=[], help="also dynamic pooled over neighbours this way (avg, max)"
+        "--poolings",
+        type=_pooling,
+        nargs="*",
+        default=[],
+        help="also dynamic pooled over neighbours this way, KIND:SIZE (avg or max, e.g. max:3)",
     )
     parser.add_argument("--no-forced", dest="forced", action="store_false", help="no teacher-forced fidelity")
     parser.add_argument("--peers", action="store_true", help="also run kvpress's presses (make bench-peers)")
@@ -794,6 +801,13 @@ def plot_memory_by_case(rows: list[Row], path: Path) -> None:
 def _pair(text: str) -> tuple[float, float]:
     high, _, medium = text.partition(":")
     return float(high), float(medium)
+
+
+def _pooling(text: str) -> tuple[str, int]:
+    kind, _, size = text.partition(":")
+    if kind not in ("avg", "max") or not size.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: give KIND:SIZE, KIND avg or max, e.g. max:3")
+    return kind, int(size)
 
 
 def _threads(args) -> str:
