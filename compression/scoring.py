@@ -158,11 +158,12 @@ class Dynamic(ScorePolicy):
 
     The future value is the attention the value predictor expects over the coming window when it
     ran, else the decayed observed attention: old observations fade (`decay` per observation), so
-    entries that mattered once but no longer do can leave. Averaging over neighbours (`pooling`,
-    as SnapKV does) ranks runs of attended tokens above isolated peaks: a fact spans several
-    tokens, and a peak's neighbours, which max-pooling raised to the peak, spend the budget on
-    tokens nobody attends to. Tokens the model sampled with low confidence
-    mark points where the text could have gone another way; they get up to `doubt_weight` more.
+    entries that mattered once but no longer do can leave. The pooling keeps the neighbours of
+    attended tokens (facts span several tokens); averaged over 5 (as SnapKV pools), runs of
+    attended tokens outrank an isolated peak's neighbours, which keeps more of the needles at
+    4-7k tokens but lost fidelity at 1-2k (docs/design.md). Tokens the model sampled with low
+    confidence mark points where the text could have gone another way; they get up to
+    `doubt_weight` more.
     Its retention confidence is that score as a calibrated probability of being needed
     (`compression.predictor.calibration`). With `thresholds_decide` the thresholds set how many
     bytes the request holds, under the rate's ceiling, and its layers spend them as a rate does (off
@@ -175,8 +176,8 @@ class Dynamic(ScorePolicy):
     uses_predictor = True
     thresholds_decide: bool = True  # a field here: requests may turn it off (policy_options)
     decay: float = 0.95  # per observation
-    kernel_size: int = 5
-    pooling: Literal["avg", "max"] = "avg"  # over `kernel_size` neighbours
+    kernel_size: int = 3
+    pooling: Literal["avg", "max"] = "max"  # over `kernel_size` neighbours (avg over 5 for long contexts)
     doubt_weight: float = 0.5
     confident_extra_rate: float = 0.1  # share of the remaining bytes also removed while the model is confident
 

@@ -223,9 +223,9 @@ def test_the_long_preset_puts_every_row_at_the_frontier(monkeypatch, tokenizer):
     assert {"snapkv, int8", "dynamic, pyramid layers", "dynamic, adaptive layers"} <= labels
     assert {s.key_only_bits for s in plan if s.label == "dynamic, 2-bit KEY_ONLY values"} == {2}
     assert {s.rate for s in plan if s.rate} == {0.875, 0.95, 0.97}
-    maxed = next(s for s in plan if s.label == "dynamic, max-pooled over 3")  # the previous default
-    scorer = resolve(CompressionConfig(), quality.request_of(maxed), True, False).scorer()
-    assert (scorer.pooling, scorer.kernel_size) == ("max", 3)
+    averaged = next(s for s in plan if s.label == "dynamic, avg-pooled over 5")
+    scorer = resolve(CompressionConfig(), quality.request_of(averaged), True, False).scorer()
+    assert (scorer.pooling, scorer.kernel_size) == ("avg", 5)
     assert {s.rate for s in plan if s.label == "dynamic, rate only"} == {0.875, 0.95, 0.97}
     pyramid = next(s for s in plan if s.layer_budget == "pyramid")
     assert resolve(CompressionConfig(), quality.request_of(pyramid), True, False).layer_budget == "pyramid"
