@@ -500,8 +500,8 @@ def parse_args() -> argparse.Namespace:
         "--long",
         action="store_true",
         help="the long-context frontier: needles at 4k and 7k tokens, rates 0.875/0.95/0.97, baselines at int8, "
-        "KIVI-2/4, dynamic at int4, with per-layer budgets, max-pooled and with the rate alone deciding; no summaries, "
-        "perplexity or teacher forcing",
+        "KIVI-2/4, dynamic at int4, with per-layer budgets, averaged over 5 and with the rate alone deciding; "
+        "no summaries, perplexity or teacher forcing",
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "quality")
     if parser.parse_known_args()[0].long:
