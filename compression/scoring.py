@@ -127,7 +127,7 @@ class SnapKV(ScorePolicy):
         return observed
 
     def score(self, entries: LayerEntries) -> torch.Tensor:
-        return _pool(entries.attention, self.kernel_size, "avg")
+        return _pool(entries.attention, entries.positions, self.kernel_size, "avg")
 
 
 @dataclass
@@ -189,7 +189,8 @@ class Dynamic(ScorePolicy):
         return 1.0 + self.doubt_weight * (1.0 - token_confidence)
 
     def score(self, entries: LayerEntries) -> torch.Tensor:
-        return _pool(entries.value, self.kernel_size, self.pooling) * self.doubt(entries.token_confidence)
+        pooled = _pool(entries.value, entries.positions, self.kernel_size, self.pooling)
+        return pooled * self.doubt(entries.token_confidence)
 
     def retention(self, entries: LayerEntries, scores: torch.Tensor) -> torch.Tensor | None:
         """P(needed) of the score over the average held entry's value: the confidence of its
@@ -211,11 +212,15 @@ class Dynamic(ScorePolicy):
         return rate + self.confident_extra_rate * (1.0 - rate) * confident
 
 
-def _pool(x: torch.Tensor, kernel: int, kind: Literal["avg", "max"]) -> torch.Tensor:
+def _pool(x: torch.Tensor, positions: torch.Tensor, kernel: int, kind: Literal["avg", "max"]) -> torch.Tensor:
+    """`x` pooled over each entry's `kernel` nearest held neighbours in the text. Entries are stored in
+    key order (KEY_ONLY first after a compression), so the pool runs in position order."""
     if x.numel() < kernel:
         return x
+    order = torch.argsort(positions)
     pool = F.max_pool1d if kind == "max" else F.avg_pool1d
-    return pool(x.view(1, 1, -1), kernel, stride=1, padding=kernel // 2).view(-1)[: x.numel()]
+    pooled = pool(x[order].view(1, 1, -1), kernel, stride=1, padding=kernel // 2).view(-1)[: x.numel()]
+    return torch.empty_like(pooled).index_copy_(0, order, pooled)
 
 
 def make_policy(name: str, options: dict[str, Any] | None = None) -> ScorePolicy:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from app.engine import run_to_completion
 from compression import DynamicKVCompressor
@@ -86,6 +88,29 @@ def test_dynamic_ranks_a_run_of_attended_tokens_above_a_lone_peaks_neighbours():
     assert maxed[[9, 11]].min() > maxed[21:26].max()
     with pytest.raises(ValueError, match="pooling"):
         make_policy("dynamic", {"pooling": "median"})
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 60),
+    seed=st.integers(0, 2**16),
+    options=st.sampled_from([("snapkv", {}), ("dynamic", {}), ("dynamic", {"pooling": "avg", "kernel_size": 5})]),
+)
+def test_pooling_runs_over_neighbours_in_the_text_whatever_the_storage_order(n, seed, options):
+    # After a compression KEY_ONLY entries move to the front of the table: an entry's score must
+    # not depend on where it is stored, only on its neighbours in the text.
+    generator = torch.Generator().manual_seed(seed)
+    positions = torch.randperm(3 * n, generator=generator)[:n].sort().values
+    value = torch.rand(n, generator=generator)
+    confidence = torch.rand(n, generator=generator)
+    stored = torch.randperm(n, generator=generator)
+    policy = make_policy(*options)
+
+    def scores(order: torch.Tensor) -> torch.Tensor:
+        entries = LayerEntries(None, positions[order], value[order], confidence[order], position=3 * n, layer=0)
+        return policy.score(entries)
+
+    assert torch.allclose(scores(stored), scores(torch.arange(n))[stored])
 
 
 @pytest.mark.parametrize(
