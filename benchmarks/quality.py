@@ -188,8 +188,21 @@ def setups(
             )
             for h, m in thresholds or []
         ]
-    # Dynamic with the rate alone deciding, at fixed rates: the sweep's comparison at equal bytes.
-    plan += [Setup(RATE_ONLY, "int8", "dynamic", rate, thresholds_decide=False) for rate in fixed_rates or []]
+    # Dynamic with the rate alone deciding, at fixed rates: the sweep's comparison at equal bytes, for its
+    # own pooling and each asked for.
+    for rate in fixed_rates or []:
+        plan.append(Setup(RATE_ONLY, "int8", "dynamic", rate, thresholds_decide=False))
+        plan += [
+            Setup(
+                f"{RATE_ONLY}, {kind}-pooled over {size}",
+                "int8",
+                "dynamic",
+                rate,
+                thresholds_decide=False,
+                pooling=(kind, size),
+            )
+            for kind, size in poolings
+        ]
     return plan
 
 
@@ -460,7 +473,7 @@ def parse_args() -> argparse.Namespace:
         type=float,
         nargs="+",
         default=None,
-        help=f"also '{RATE_ONLY}' at these rates: the thresholds' comparison at equal mean bytes",
+        help=f"also '{RATE_ONLY}' at these rates, with each of --poolings too: comparisons at equal mean bytes",
     )
     parser.add_argument("--uniform", nargs="*", default=["int8", "int4"], help="uniform quantisation rows")
     parser.add_argument("--no-uniform", dest="uniform", action="store_const", const=[], help="no uniform rows")

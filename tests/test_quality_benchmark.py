@@ -227,6 +227,10 @@ def test_the_long_preset_puts_every_row_at_the_frontier(monkeypatch, tokenizer):
     scorer = resolve(CompressionConfig(), quality.request_of(averaged), True, False).scorer()
     assert (scorer.pooling, scorer.kernel_size) == ("avg", 5)
     assert {s.rate for s in plan if s.label == "dynamic, rate only"} == {0.875, 0.95, 0.97}
+    rate_only_averaged = [s for s in plan if s.label == "dynamic, rate only, avg-pooled over 5"]
+    assert {s.rate for s in rate_only_averaged} == {0.875, 0.95, 0.97}
+    options = quality.request_of(rate_only_averaged[0])["policy_options"]["dynamic"]
+    assert options == {"thresholds_decide": False, "pooling": "avg", "kernel_size": 5}
     pyramid = next(s for s in plan if s.layer_budget == "pyramid")
     assert resolve(CompressionConfig(), quality.request_of(pyramid), True, False).layer_budget == "pyramid"
     tasks = quality.build_tasks(tokenizer, 2, 0, 0, needle_lengths=(4000, 7000))
