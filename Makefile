@@ -123,7 +123,8 @@ bench-peers: $(PEERS_STAMP)
 # the same cases (about 45 minutes); dynamic's thresholds against fixed rates at equal mean bytes
 # (about 50 minutes); the direction of model confidence on long answers (about 40 minutes); documents
 # asked two questions through the prefix cache, with KVzip (about 15 minutes); the long-context frontier,
-# needles at 4k and 7k tokens at 3-12% of the bytes against TOVA, SnapKV and KIVI (about 50 minutes).
+# needles at 4k and 7k tokens at 3-12% of the bytes against TOVA, SnapKV and KIVI, with kvpress' SnapKV
+# with and without per-head budgets after our setups (about 55 minutes).
 bench-quality: bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long
 
 bench-quality-peers: model bench-peers
@@ -140,7 +141,7 @@ bench-quality-confidence: model
 	$(PY) benchmarks/quality.py --policies --doubt-weights 0.5 0 -0.5 --rates 0.9 --answer-tokens 192 --no-uniform \
 		--out benchmarks/results/quality_confidence_long
 
-bench-quality-long: model
+bench-quality-long: model bench-peers
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/quality.py --long $(ARGS)
 

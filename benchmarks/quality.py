@@ -82,6 +82,9 @@ LONG = {  # --long: the frontier where the model's context ends and bytes are fe
     "key_only_bits": [2],
     "poolings": [("avg", 5)],  # SnapKV's pooling: more needles at these lengths, less fidelity at 1-2k
     "fixed_rates": [0.875, 0.95, 0.97],  # the rate alone deciding, at the ceiling's bytes
+    "peers": True,  # per-head budgets: kvpress's SnapKV with AdaKV's head-wise budgets and without
+    "presses": ["SnapKV", "AdaKV(SnapKV)"],
+    "peers_after": True,  # our side's prefills dominate: it keeps both threads
     "out": RESULTS / "quality_long",
 }
 PPL_FORCED = 512  # the perplexity text's last tokens, teacher-forced; the rest is prefilled uncompressed
@@ -370,8 +373,9 @@ def _needle_accuracy(needles: list, texts: dict[str, str], length: int) -> float
 
 @contextlib.contextmanager
 def peers_alongside(args, tasks: Tasks, threads: int) -> Iterator[Callable[[], list[tuple[Setup, dict]]]]:
-    """kvpress's presses in their own environment (make bench-peers), running while our setups run;
-    yields a function that waits for its raw outputs per setup. Stopped if our side fails."""
+    """kvpress's presses in their own environment (make bench-peers), running from now on (alongside our
+    setups, or after them); yields a function that waits for its raw outputs per setup. Stopped if our
+    side fails."""
     if not PEERS_PYTHON.exists():
         raise SystemExit(f"{PEERS_PYTHON} is missing: run `make bench-peers` (it builds kvpress's environment)")
     with tempfile.TemporaryDirectory() as tmp:
@@ -421,18 +425,23 @@ def _peer_label(press: str) -> str:
 
 def main() -> None:
     args = parse_args()
-    # With kvpress alongside, each side gets half the threads: the two run at the same time.
-    peers_threads = max(1, args.threads // 2) if args.peers else 0
-    torch.set_num_threads(max(1, args.threads - peers_threads))
+    # With kvpress alongside, each side gets half the threads: the two run at the same time. After our
+    # setups, it gets them all.
+    alongside = args.peers and not args.peers_after
+    peers_threads = max(1, args.threads // 2) if alongside else args.threads
+    torch.set_num_threads(max(1, args.threads - peers_threads) if alongside else args.threads)
 
     model, tokenizer, future_value = load_with_predictor(args.model_path)
     tasks = build_tasks(
         tokenizer, args.needles, args.summaries, args.perplexity_tokens, args.answer_tokens, tuple(args.needle_lengths)
     )
 
-    with peers_alongside(args, tasks, peers_threads) if args.peers else contextlib.nullcontext() as peers:
+    with peers_alongside(args, tasks, peers_threads) if alongside else contextlib.nullcontext() as peers:
         rows = load_rows(args.ours_from) if args.ours_from else run_ours(args, model, tokenizer, tasks, future_value)
         runs = peers() if peers else read_peers(args.peers_from) if args.peers_from else []
+    if args.peers and args.peers_after:
+        with peers_alongside(args, tasks, peers_threads) as peers:
+            runs = peers()
     rows += peer_rows(runs, tasks)
     report(rows, args, tasks)
 
@@ -503,6 +512,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-forced", dest="forced", action="store_false", help="no teacher-forced fidelity")
     parser.add_argument("--peers", action="store_true", help="also run kvpress's presses (make bench-peers)")
     parser.add_argument("--presses", nargs="+", default=None, help="kvpress presses (default: all)")
+    parser.add_argument(
+        "--peers-after",
+        action="store_true",
+        help="run kvpress after our setups with every thread, not alongside them with half (long prefills)",
+    )
     parser.add_argument("--ours-from", type=Path, default=None, help="our rows from a saved quality.json")
     parser.add_argument(
         "--peers-from", type=Path, nargs="+", default=None, help="kvpress runner outputs to score (no rerun)"
@@ -513,8 +527,8 @@ def parse_args() -> argparse.Namespace:
         "--long",
         action="store_true",
         help="the long-context frontier: needles at 4k and 7k tokens, rates 0.875/0.95/0.97, baselines at int8, "
-        "KIVI-2/4, dynamic at int4, with per-layer budgets, averaged over 5 and with the rate alone deciding; "
-        "no summaries, perplexity or teacher forcing",
+        "KIVI-2/4, dynamic at int4, with per-layer budgets, averaged over 5 and with the rate alone deciding, "
+        "kvpress SnapKV with and without per-head budgets (AdaKV); no summaries, perplexity or teacher forcing",
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "quality")
     if parser.parse_known_args()[0].long:

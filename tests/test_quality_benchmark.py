@@ -217,6 +217,7 @@ def test_the_long_preset_puts_every_row_at_the_frontier(monkeypatch, tokenizer):
     monkeypatch.setattr(sys, "argv", ["quality.py", "--long", "--needles", "4"])
     args = quality.parse_args()
     assert args.needles == 4 and args.needle_lengths == [4000, 7000] and not args.forced
+    assert args.peers and args.peers_after and args.presses == ["SnapKV", "AdaKV(SnapKV)"]  # per-head budgets
     plan = quality.plan_of(args)
     labels = {s.label for s in plan}
     assert {"uncompressed", "uniform int4", "KIVI-2", "KIVI-4", "dynamic", "dynamic, int4", "tova, int8"} <= labels

@@ -49,6 +49,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 
 PRESSES: dict[str, Callable[[float], ScorerPress | AdaKVPress]] = {
     "SnapKV": lambda r: SnapKVPress(compression_ratio=r),
+    "AdaKV(SnapKV)": lambda r: AdaKVPress(SnapKVPress(compression_ratio=r)),  # the same scores, budgets per head
     "ExpectedAttention": lambda r: ExpectedAttentionPress(compression_ratio=r),
     "AdaKV(ExpectedAttention)": lambda r: AdaKVPress(ExpectedAttentionPress(compression_ratio=r)),
     "TOVA": lambda r: TOVAPress(compression_ratio=r),
