@@ -36,6 +36,7 @@ import torch
 
 from compression.block_pool import BlockPool, Codec
 from compression.paged_attention import DecodeBatch
+from compression.quant import key_rotation
 from models.loader import KVShape
 
 if TYPE_CHECKING:
@@ -126,13 +127,14 @@ class StepPlan:
     token_slot: torch.Tensor  # [tokens]
     key_index: torch.Tensor  # [layers, tokens] the new entries' places in their keys tables
     rows: torch.Tensor  # [layers, 2 * tokens] pool rows of the new keys, then of their values
-    groups: list[tuple[BlockPool, torch.Tensor | None]]  # columns of `rows` by pool (None: all of them)
+    groups: list[tuple[BlockPool, torch.Tensor | None]]  # the step's tokens by pool (None: all of them)
     decode_tokens: torch.Tensor  # [rows] tokens of one-token segments
     row_slot: torch.Tensor  # [rows] int32
     row_pool: torch.Tensor  # [rows] int32, an index in `pools`
     pools: list[BlockPool]
     observe_index: torch.Tensor  # [rows] int32
     num_observed: int
+    turned_rows: torch.Tensor | None  # decode rows whose keys are stored rotated (None: none)
 
 
 class KVStore:
@@ -150,7 +152,9 @@ class KVStore:
         key_only_bits: int = 4,
         history_steps: int = 0,
         block_size: int = BLOCK_SIZE,
+        int4_key_rotation: bool = True,
     ) -> None:
+        """`int4_key_rotation`: store int4 keys in a rotated basis (`compression.quant`)."""
         self.num_layers = num_layers
         self.history_steps = history_steps  # observations each entry keeps for the value predictor
         self.num_kv_heads = num_kv_heads
@@ -159,6 +163,7 @@ class KVStore:
         self.dtype = dtype  # the model's dtype: what attention computes in
         self.device = torch.device(device)
         self.block_size = block_size
+        self.rotation = key_rotation(head_dim).to(self.device) if int4_key_rotation else None
         self.codec = self.make_codec(storage)  # the default storage precision
         self.pools: dict[str, BlockPool] = {}
         self.key_only_pool = self._pool(Codec(f"int{key_only_bits}", head_dim))
@@ -176,7 +181,14 @@ class KVStore:
         self.parked_bookkeeping_bytes = 0  # of the parked caches alive
 
     @classmethod
-    def for_model(cls, model: PreTrainedModel, max_bytes: int, key_only_bits: int, history_steps: int = 0) -> KVStore:
+    def for_model(
+        cls,
+        model: PreTrainedModel,
+        max_bytes: int,
+        key_only_bits: int,
+        history_steps: int = 0,
+        int4_key_rotation: bool = True,
+    ) -> KVStore:
         """A store shaped for `model`'s KV cache, on its device and computing in its dtype."""
         shape = KVShape.of(model.config)
         return cls(
@@ -188,6 +200,7 @@ class KVStore:
             device=next(model.parameters()).device,
             key_only_bits=key_only_bits,
             history_steps=history_steps,
+            int4_key_rotation=int4_key_rotation,
         )
 
     def make_codec(self, storage: torch.dtype | str | None) -> Codec:
@@ -348,8 +361,7 @@ class KVStore:
         for pool in pools:
             tokens = by_pool.get(id(pool))
             if tokens is not None:
-                columns = np.concatenate((tokens, np.add(tokens, len(token_slot))))
-                groups.append((pool, None if len(by_pool) == 1 else _tensor(columns, device)))
+                groups.append((pool, None if len(by_pool) == 1 else _tensor(tokens, device)))
         decode = [i for i, seg in enumerate(segments) if seg.num_tokens == 1]
         observe = np.full(len(decode), -1, dtype=np.int32)
         observed = [j for j, i in enumerate(decode) if segments[i].observe]
@@ -365,6 +377,7 @@ class KVStore:
             pools=pools,
             observe_index=_tensor(observe, device),
             num_observed=len(observed),
+            turned_rows=self._turned_rows([self._slot_pool[slots[i]] for i in decode]),
         )
         layer_index = torch.arange(self.num_layers, device=device)[:, None]
         where = (layer_index, plan.token_slot, plan.key_index)
@@ -377,19 +390,22 @@ class KVStore:
 
     def write(self, layer: int, plan: StepPlan, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the step's new keys and values of one layer (each [kv_heads, tokens, head_dim])."""
-        entries = torch.cat((keys, values), dim=1).transpose(0, 1)  # [2 * tokens, kv_heads, head_dim]
         rows = plan.rows[layer]
-        for pool, columns in plan.groups:
-            if columns is None:
-                pool.write(rows, entries)
-            else:
-                pool.write(rows[columns], entries[columns])
+        for pool, tokens in plan.groups:
+            k, v = (keys, values) if tokens is None else (keys[:, tokens], values[:, tokens])
+            if self._turns_keys(pool):
+                k = _turn(k, self.rotation)
+            entries = torch.cat((k, v), dim=1).transpose(0, 1)  # [2 * tokens, kv_heads, head_dim]
+            pool.write(rows if tokens is None else rows[torch.cat((tokens, tokens + keys.shape[1]))], entries)
         if self.history_steps:
             norms = keys.float().norm(dim=-1).mean(dim=0)
             self.meta["key_norm"][layer, plan.token_slot, plan.key_index[layer]] = norms.to(torch.float16)
 
     def decode_batch(self, layer: int, plan: StepPlan, query: torch.Tensor, scale: float) -> DecodeBatch:
         """The decode kernel's view of one layer for the plan's decode rows (query [rows, heads, D])."""
+        if plan.turned_rows is not None:  # their keys are stored rotated: q.k is the same in that basis
+            turned = _turn(query.index_select(0, plan.turned_rows), self.rotation)
+            query = query.index_copy(0, plan.turned_rows, turned)
         return DecodeBatch(
             query=query,
             pools=[pool.tensors() for pool in plan.pools],
@@ -430,8 +446,11 @@ class KVStore:
         """Keys and values held by one layer of one sequence, gathered and dequantised."""
         slot = self._slots[seq_id]
         n, n_ko = int(self.lengths[layer_idx, slot]), int(self.key_only[layer_idx, slot])
-        tensors = self._slot_pool[slot].tensors()
+        pool = self._slot_pool[slot]
+        tensors = pool.tensors()
         keys = tensors.read(self._leading_rows(KEYS, layer_idx, slot, n), self.dtype)
+        if self._turns_keys(pool):
+            keys = _turn(keys, self.rotation.T)
         values = tensors.read(self._leading_rows(VALUES, layer_idx, slot, n - n_ko), self.dtype)
         key_only = None
         if n_ko:
@@ -557,6 +576,16 @@ class KVStore:
         return before - self.used_bytes
 
     # ----- internals ---------------------------------------------------------------------
+    def _turns_keys(self, pool: BlockPool) -> bool:
+        """Are the keys of sequences stored in `pool` stored rotated? (int4 ones, unless turned off; the
+        KEY_ONLY values that may share an int4 pool are values, never turned.)"""
+        return self.rotation is not None and pool.codec.bits == 4
+
+    def _turned_rows(self, pools: list[BlockPool]) -> torch.Tensor | None:
+        """Indices of the decode rows (of sequences in `pools`) whose keys are stored rotated, or None."""
+        turned = [row for row, pool in enumerate(pools) if self._turns_keys(pool)]
+        return _tensor(np.array(turned), self.device) if turned else None
+
     def _pool(self, codec: Codec) -> BlockPool:
         if codec.name not in self.pools:
             self.pools[codec.name] = BlockPool(codec, self.num_kv_heads, self.block_size, self.device)
@@ -748,6 +777,11 @@ def _plan_rebuild(source: ParkedKV, keep: dict[int, Keep], bs: int) -> _RebuildP
         plan.orders.append((order, len(key_only)))
         plan.layouts.append(layout)
     return plan
+
+
+def _turn(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Vectors x [..., head_dim] in the basis `rotation` turns them to, in x's dtype."""
+    return (x.float() @ rotation).to(x.dtype)
 
 
 def _in_place_run(entries: np.ndarray) -> int:

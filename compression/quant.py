@@ -4,10 +4,16 @@ int8 is symmetric (scale = absmax / 127); int4 and int2 are asymmetric (scale an
 and head, two or four codes packed in a byte), which matters at few bits where the range is tiny.
 Scales are kept in float16: two bytes per 64-dim head vector. int2 holds KEY_ONLY values only (as
 KIVI quantises values: per token), never keys.
+
+Keys have outlier channels (KIVI's finding): a few channels set a head vector's range, so per-token
+int4 spends its 16 levels on them. `key_rotation` is an orthogonal basis in which int4 keys are
+stored instead: it spreads every channel over all of them, and since the query is turned by the same
+matrix q.k is unchanged, while the entries stay per token (they move between blocks as stored).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -66,3 +72,18 @@ def bytes_per_vector(head_dim: int, bits: int) -> int:
     """Bytes one quantised head vector takes, parameters included."""
     params = 2 if bits == 8 else 4
     return head_dim * bits // 8 + params
+
+
+def key_rotation(head_dim: int, seed: int = 0) -> torch.Tensor:
+    """An orthogonal [head_dim, head_dim] float32 matrix, the same for every call with these arguments:
+    a Hadamard matrix with random column signs (QuaRot's) where head_dim is a power of two, else the Q
+    of a random Gaussian matrix."""
+    generator = torch.Generator().manual_seed(seed)
+    if head_dim & (head_dim - 1) == 0:
+        hadamard = torch.ones(1, 1)
+        while hadamard.shape[0] < head_dim:
+            hadamard = torch.cat((torch.cat((hadamard, hadamard), 1), torch.cat((hadamard, -hadamard), 1)), 0)
+        signs = torch.randint(0, 2, (head_dim,), generator=generator).float() * 2 - 1
+        return hadamard / math.sqrt(head_dim) * signs
+    q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=generator))
+    return q * torch.sign(torch.diagonal(r))
