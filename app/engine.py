@@ -97,7 +97,7 @@ class LLMEngine:
             config.max_cache_bytes,
             self.compression_config.key_only_value_bits,
             future_value.history_steps if future_value else 0,
-            self.compression_config.int4_key_rotation,
+            self.compression_config.key_rotation,
         )
         self.compression = Compressor(
             self.store,

@@ -80,7 +80,7 @@ LONG = {  # --long: the frontier where the model's context ends and bytes are fe
     "uniform": ["int4"],
     "kivi": [2, 4],
     "key_only_bits": [2],
-    "unrotated_int4": True,  # int4 keys as they were before the rotation, at the same bytes
+    "unrotated_keys": ["int4"],  # int4 keys as they were before the rotation, at the same bytes
     "poolings": [("avg", 5)],  # SnapKV's pooling: more needles at these lengths, less fidelity at 1-2k
     "fixed_rates": [0.875, 0.95, 0.97],  # the rate alone deciding, at the ceiling's bytes
     "peers": True,  # per-head budgets: kvpress's SnapKV with AdaKV's head-wise budgets and without
@@ -107,7 +107,7 @@ class Setup:
     layer_budget: str | None = None  # the config's (uniform), or this sharing of bytes among layers
     kivi_bits: int | None = None  # KIVI as published at this width (benchmarks/kivi.py), not our engine
     key_only_bits: int = 4  # the server's key_only_value_bits: what KEY_ONLY values are stored at
-    int4_key_rotation: bool = True  # the server's: int4 keys stored rotated (False: per token as they are)
+    key_rotation: bool = True  # the server's: quantised keys stored rotated (False: per token as they are)
     pooling: tuple[str, int] | None = None  # dynamic: its own pooling over neighbours, or (this kind, over this many)
 
 
@@ -157,7 +157,7 @@ def setups(
     kivi: tuple[int, ...] = (),
     key_only_bits: tuple[int, ...] = (),
     poolings: tuple[tuple[str, int], ...] = (),
-    unrotated_int4: bool = False,
+    unrotated_keys: tuple[str, ...] = (),
 ) -> list[Setup]:
     """Uncompressed first (the others are scored against it), then what is asked for."""
     plan = [Setup("uncompressed", "auto", "none", 0.0)]
@@ -176,8 +176,10 @@ def setups(
             Setup(f"dynamic, {bits}-bit KEY_ONLY values", "int8", "dynamic", rate, key_only_bits=bits)
             for bits in key_only_bits
         ]
-        if unrotated_int4:  # the int4 rotation's ablation: keys quantised per token as they are
-            plan.append(Setup("dynamic, int4, keys unrotated", "int4", "dynamic", rate, int4_key_rotation=False))
+        plan += [  # the key rotation's ablation: keys quantised per token as they are
+            Setup(_stored("dynamic, keys unrotated", s, "int8"), s, "dynamic", rate, key_rotation=False)
+            for s in unrotated_keys
+        ]
         plan += [
             Setup(f"dynamic, {kind}-pooled over {size}", "int8", "dynamic", rate, pooling=(kind, size))
             for kind, size in poolings
@@ -273,10 +275,10 @@ def request_of(setup: Setup, interval: int | None = None) -> dict:
 
 
 def new_engine(
-    model, tokenizer, future_value: FutureValue | None, key_only_bits: int = 4, int4_key_rotation: bool = True
+    model, tokenizer, future_value: FutureValue | None, key_only_bits: int = 4, key_rotation: bool = True
 ) -> LLMEngine:
     config = EngineConfig(max_cache_bytes=2**33, max_num_seqs=8, max_num_batched_tokens=1024, prefix_cache=True)
-    compression = CompressionConfig(key_only_value_bits=key_only_bits, int4_key_rotation=int4_key_rotation)
+    compression = CompressionConfig(key_only_value_bits=key_only_bits, key_rotation=key_rotation)
     return LLMEngine(model, tokenizer, config, compression, future_value)
 
 
@@ -285,7 +287,7 @@ def run_setup(
 ) -> tuple[dict[str, str], dict[str, list[int]], dict[str, dict], float]:
     """Greedy outputs (text and tokens) of every needle and summary case, batched through the engine
     (a new one, or `engine`: then its prefix cache may hold the prompts already), and their metrics."""
-    engine = engine or new_engine(model, tokenizer, future_value, setup.key_only_bits, setup.int4_key_rotation)
+    engine = engine or new_engine(model, tokenizer, future_value, setup.key_only_bits, setup.key_rotation)
     params = resolve(engine.compression_config, request_of(setup), True, True)
     for name, ids in tasks.prompts.items():
         sampling = SamplingParams(
@@ -518,9 +520,10 @@ def parse_args() -> argparse.Namespace:
         help="also dynamic pooled over neighbours this way, KIND:SIZE (avg or max, e.g. max:3)",
     )
     parser.add_argument(
-        "--unrotated-int4",
-        action="store_true",
-        help="also dynamic at int4 with keys quantised per token as they are (int4_key_rotation off)",
+        "--unrotated-keys",
+        nargs="*",
+        default=[],
+        help="also dynamic at these storages (int8, int4) with keys quantised per token as they are (key_rotation off)",
     )
     parser.add_argument("--no-forced", dest="forced", action="store_false", help="no teacher-forced fidelity")
     parser.add_argument("--peers", action="store_true", help="also run kvpress's presses (make bench-peers)")
@@ -540,8 +543,9 @@ def parse_args() -> argparse.Namespace:
         "--long",
         action="store_true",
         help="the long-context frontier: needles at 4k and 7k tokens, rates 0.875/0.95/0.97, baselines at int8, "
-        "KIVI-2/4, dynamic at int4 (keys rotated and not), with per-layer budgets, averaged over 5 and with the rate alone deciding, "
-        "kvpress SnapKV with and without per-head budgets (AdaKV); no summaries, perplexity or teacher forcing",
+        "KIVI-2/4, dynamic at int4 (keys rotated and not), with per-layer budgets, averaged over 5 and with the "
+        "rate alone deciding, kvpress SnapKV with and without per-head budgets (AdaKV); no summaries, perplexity "
+        "or teacher forcing",
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "quality")
     if parser.parse_known_args()[0].long:
@@ -570,7 +574,7 @@ def plan_of(args: argparse.Namespace) -> list[Setup]:
         tuple(args.kivi),
         tuple(args.key_only_bits),
         tuple(args.poolings),
-        args.unrotated_int4,
+        tuple(args.unrotated_keys),
     )
 
 
@@ -589,12 +593,12 @@ def run_ours(args, model, tokenizer, tasks: Tasks, future_value: FutureValue | N
             rows.append(kivi_runs[setup.kivi_bits])
             _log(rows[-1])
             continue
-        kind = (setup.storage, setup.key_only_bits, setup.int4_key_rotation)
+        kind = (setup.storage, setup.key_only_bits, setup.key_rotation)
         if kind not in engines:
             engines[kind] = new_engine(model, tokenizer, future_value, *kind[1:])
         engine = engines[kind]
         texts, tokens, metrics, seconds = run_setup(model, tokenizer, setup, tasks, future_value, engine)
-        if all((later.storage, later.key_only_bits, later.int4_key_rotation) != kind for later in plan[i + 1 :]):
+        if all((later.storage, later.key_only_bits, later.key_rotation) != kind for later in plan[i + 1 :]):
             del engines[kind]  # its memory back
         row = Row(setup, seconds=seconds)
         score(row, texts, rows[0] if rows else None, tasks)

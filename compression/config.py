@@ -129,10 +129,11 @@ class CompressionConfig(CompressionSettings):
     key_only_value_bits: Literal[2, 4, 8] = Field(
         4, description="bits of a KEY_ONLY entry's value (per token and head, asymmetric below 8, as KIVI's values)"
     )
-    int4_key_rotation: bool = Field(
+    key_rotation: bool = Field(
         True,
-        description="store int4 keys turned by a fixed random Hadamard rotation (the query is turned alike, so q.k "
-        "is unchanged): it spreads keys' outlier channels, which per-token int4 otherwise spends its levels on",
+        description="store quantised keys (int8, int4) turned by a fixed random Hadamard rotation (decode queries "
+        "are turned alike, so q.k is unchanged): it spreads keys' outlier channels, on which per-token "
+        "quantisation otherwise spends its levels",
     )
     pressure_rate_ceiling: float = Field(
         0.9, ge=0.0, lt=1.0, description="under memory pressure running requests compress up to this rate"

@@ -36,7 +36,7 @@ import torch
 
 from compression.block_pool import BlockPool, Codec
 from compression.paged_attention import DecodeBatch
-from compression.quant import key_rotation
+from compression.quant import random_rotation
 from models.loader import KVShape
 
 if TYPE_CHECKING:
@@ -152,9 +152,9 @@ class KVStore:
         key_only_bits: int = 4,
         history_steps: int = 0,
         block_size: int = BLOCK_SIZE,
-        int4_key_rotation: bool = True,
+        key_rotation: bool = True,
     ) -> None:
-        """`int4_key_rotation`: store int4 keys in a rotated basis (`compression.quant`)."""
+        """`key_rotation`: store quantised keys in a rotated basis (`compression.quant`)."""
         self.num_layers = num_layers
         self.history_steps = history_steps  # observations each entry keeps for the value predictor
         self.num_kv_heads = num_kv_heads
@@ -163,7 +163,7 @@ class KVStore:
         self.dtype = dtype  # the model's dtype: what attention computes in
         self.device = torch.device(device)
         self.block_size = block_size
-        self.rotation = key_rotation(head_dim).to(self.device) if int4_key_rotation else None
+        self.rotation = random_rotation(head_dim).to(self.device) if key_rotation else None
         self.codec = self.make_codec(storage)  # the default storage precision
         self.pools: dict[str, BlockPool] = {}
         self.key_only_pool = self._pool(Codec(f"int{key_only_bits}", head_dim))
@@ -187,7 +187,7 @@ class KVStore:
         max_bytes: int,
         key_only_bits: int,
         history_steps: int = 0,
-        int4_key_rotation: bool = True,
+        key_rotation: bool = True,
     ) -> KVStore:
         """A store shaped for `model`'s KV cache, on its device and computing in its dtype."""
         shape = KVShape.of(model.config)
@@ -200,7 +200,7 @@ class KVStore:
             device=next(model.parameters()).device,
             key_only_bits=key_only_bits,
             history_steps=history_steps,
-            int4_key_rotation=int4_key_rotation,
+            key_rotation=key_rotation,
         )
 
     def make_codec(self, storage: torch.dtype | str | None) -> Codec:
@@ -577,9 +577,9 @@ class KVStore:
 
     # ----- internals ---------------------------------------------------------------------
     def _turns_keys(self, pool: BlockPool) -> bool:
-        """Are the keys of sequences stored in `pool` stored rotated? (int4 ones, unless turned off; the
-        KEY_ONLY values that may share an int4 pool are values, never turned.)"""
-        return self.rotation is not None and pool.codec.bits == 4
+        """Are the keys of sequences stored in `pool` stored rotated? (Quantised ones, unless turned off;
+        the KEY_ONLY values that may share a pool are values, never turned.)"""
+        return self.rotation is not None and pool.codec.quantized
 
     def _turned_rows(self, pools: list[BlockPool]) -> torch.Tensor | None:
         """Indices of the decode rows (of sequences in `pools`) whose keys are stored rotated, or None."""

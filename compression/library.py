@@ -153,7 +153,7 @@ class DynamicKVCompressor(Cache):
             parse_size(self.max_cache_size, memory_for_cache(next(model.parameters()).device)),
             self.config.key_only_value_bits,
             self.future_value.history_steps if self.future_value else 0,
-            self.config.int4_key_rotation,
+            self.config.key_rotation,
         )
         if self.calibrations is None:
             self.calibrations = load_retention(predictor_path(None), model.config)

@@ -6,9 +6,9 @@ Scales are kept in float16: two bytes per 64-dim head vector. int2 holds KEY_ONL
 KIVI quantises values: per token), never keys.
 
 Keys have outlier channels (KIVI's finding): a few channels set a head vector's range, so per-token
-int4 spends its 16 levels on them. `key_rotation` is an orthogonal basis in which int4 keys are
-stored instead: it spreads every channel over all of them, and since the query is turned by the same
-matrix q.k is unchanged, while the entries stay per token (they move between blocks as stored).
+quantisation spends its levels on them. `random_rotation` is the orthogonal basis in which quantised keys
+are stored instead: it spreads every channel over all of them, and since the query is turned by the
+same matrix q.k is unchanged, while the entries stay per token (they move between blocks as stored).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def bytes_per_vector(head_dim: int, bits: int) -> int:
     return head_dim * bits // 8 + params
 
 
-def key_rotation(head_dim: int, seed: int = 0) -> torch.Tensor:
+def random_rotation(head_dim: int, seed: int = 0) -> torch.Tensor:
     """An orthogonal [head_dim, head_dim] float32 matrix, the same for every call with these arguments:
     a Hadamard matrix with random column signs (QuaRot's) where head_dim is a power of two, else the Q
     of a random Gaussian matrix."""

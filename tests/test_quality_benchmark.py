@@ -223,9 +223,9 @@ def test_the_long_preset_puts_every_row_at_the_frontier(monkeypatch, tokenizer):
     assert {"uncompressed", "uniform int4", "KIVI-2", "KIVI-4", "dynamic", "dynamic, int4", "tova, int8"} <= labels
     assert {"snapkv, int8", "dynamic, pyramid layers", "dynamic, adaptive layers"} <= labels
     assert {s.key_only_bits for s in plan if s.label == "dynamic, 2-bit KEY_ONLY values"} == {2}
-    unrotated = next(s for s in plan if s.label == "dynamic, int4, keys unrotated")
-    assert unrotated.storage == "int4" and not unrotated.int4_key_rotation
-    assert all(s.int4_key_rotation for s in plan if s is not unrotated and s.label != unrotated.label)
+    unrotated = next(s for s in plan if s.label == "dynamic, keys unrotated, int4")
+    assert unrotated.storage == "int4" and not unrotated.key_rotation
+    assert all(s.key_rotation for s in plan if s is not unrotated and s.label != unrotated.label)
     assert {s.rate for s in plan if s.rate} == {0.875, 0.95, 0.97}
     averaged = next(s for s in plan if s.label == "dynamic, avg-pooled over 5")
     scorer = resolve(CompressionConfig(), quality.request_of(averaged), True, False).scorer()
