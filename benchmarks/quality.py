@@ -450,6 +450,7 @@ def main() -> None:
         rows = load_rows(args.ours_from) if args.ours_from else run_ours(args, model, tokenizer, tasks, future_value)
         runs = peers() if peers else read_peers(args.peers_from) if args.peers_from else []
     if args.peers and args.peers_after:
+        report(rows, args, tasks)  # our rows are saved before kvpress runs, and saved again with its rows
         with peers_alongside(args, tasks, peers_threads) as peers:
             runs = peers()
     rows += peer_rows(runs, tasks)
