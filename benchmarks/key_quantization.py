@@ -65,8 +65,8 @@ def formats(head_dim: int) -> dict[str, tuple[Format, float]]:
 
     kivi_bits = {bits: bits + kivi.PARAM_BITS / kivi.GROUP for bits in (4, 2)}
     return {
-        "int8, per token": (per_token(8), token_bits(8)),
-        "int8, per token, rotated": (per_token(8, rotation), token_bits(8)),
+        "int8, per token (before rotation)": (per_token(8), token_bits(8)),
+        "int8, per token, rotated (stored now)": (per_token(8, rotation), token_bits(8)),
         "int4, per token (before rotation)": (per_token(4), token_bits(4)),
         "int4, per token, rotated (stored now)": (per_token(4, rotation), token_bits(4)),
         "KIVI-4 keys, per channel": (kivi_keys(4), kivi_bits[4]),
