@@ -26,7 +26,8 @@ from app.api import build_engine
 from app.engine import run_to_completion
 from app.settings import Settings
 from benchmarks.engine import decoding_engine, load_with_predictor
-from compression.kv_store import BLOCK_SIZE
+from compression.attention import Segment
+from compression.kv_store import BLOCK_SIZE, KVStore
 from compression.paged_attention import (
     FORMAT_CODES,
     DecodeBatch,
@@ -129,6 +130,28 @@ def test_decode_attention_on_cuda_matches_the_cpu_reference(default_path, key_on
     torch.testing.assert_close(got.out.cpu(), want.out, rtol=1e-3, atol=1e-4)
     torch.testing.assert_close(got.lse.cpu(), want.lse, rtol=1e-4, atol=1e-3)
     torch.testing.assert_close(got.observed.cpu(), want.observed, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("storage", ["int8", "int4"])
+def test_keys_stored_rotated_on_cuda_attend_as_on_the_cpu(storage):
+    """Quantised keys are turned on the way into the pool (by the Triton block kernel on CUDA) and
+    decode queries alike: the CUDA store must attend as the CPU one does, and turn keys back in its view."""
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 41, 64, generator=generator)
+    keys[..., [3, 17, 40]] *= 25.0  # outlier channels, as trained keys have
+    query = torch.randn(1, 4, 64, generator=generator)
+    outs, views = {}, {}
+    for device in (CPU, CUDA):
+        store = KVStore(1, 2, 64, 10**8, storage=storage, device=device)
+        for start, n in ((0, 40), (40, 1)):  # a prefill chunk, then a decode step
+            store.reserve(1, n)
+            plan = store.begin_step([Segment(1, 0, n)], torch.arange(start, start + n, device=device))
+            store.write(0, plan, keys[:, start : start + n].to(device), -keys[:, start : start + n].to(device))
+        outs[device.type] = decode_attention(store.decode_batch(0, plan, query.to(device), 0.125)).out.cpu()
+        views[device.type] = store.view(1, 0).keys.cpu()
+    # The same codes but where a turned key lands within rounding of a level boundary.
+    torch.testing.assert_close(views["cuda"], views["cpu"], rtol=0.0, atol=0.2 if storage == "int4" else 0.05)
+    torch.testing.assert_close(outs["cuda"], outs["cpu"], rtol=0.0, atol=0.05)
 
 
 # ----- greedy generation on CUDA against the CPU -------------------------------------------------
