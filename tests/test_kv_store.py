@@ -308,3 +308,21 @@ def test_quantised_keys_stored_rotated_come_back_closer_and_decode_agrees_with_t
             assert torch.allclose(result.out[row], (probs @ view.values).view(4, 64), atol=1e-4)
     for seq_id in (1, 2):  # int4, int8
         assert errors[True, seq_id] < 0.5 * errors[False, seq_id]
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), storage=st.sampled_from(["int8", "int4"]), outlier=st.floats(1.0, 100.0))
+def test_a_rotated_key_comes_back_within_half_a_level_per_channel_of_its_turned_range(seed, storage, outlier):
+    """Turning preserves lengths, so a key's error is its turned vector's: at most half a level in every
+    channel (plus the float16 rounding of the stored scale and minimum), whatever its outliers."""
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randn(2, 20, 64, generator=generator)
+    keys[..., 5] *= outlier
+    store = KVStore(1, 2, 64, 10**8, storage=storage)
+    fill(store, 1, 20, keys=lambda layer: keys)
+    turned = keys @ random_rotation(64)
+    levels = 255 if storage == "int8" else 15  # int8: symmetric over [-absmax, absmax]
+    span = 2 * turned.abs().amax(-1) if storage == "int8" else turned.amax(-1) - turned.amin(-1)
+    half_level = span / levels / 2
+    error = (store.view(1, 0).keys - keys).norm(dim=-1)
+    assert (error <= 64**0.5 * half_level * 1.01 + 1e-3 * turned.abs().amax(-1)).all()
