@@ -857,6 +857,8 @@ def _pooling(text: str) -> tuple[str, int]:
 
 
 def _threads(args) -> str:
+    if args.peers and args.peers_after:
+        return f"{args.threads} CPU threads, kvpress's presses after our setups"
     if args.peers:
         return f"{args.threads} CPU threads shared by our setups and kvpress's, which run at the same time"
     return f"{args.threads} CPU threads"
