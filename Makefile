@@ -124,7 +124,7 @@ bench-peers: $(PEERS_STAMP)
 # (about 50 minutes); the direction of model confidence on long answers (about 40 minutes); documents
 # asked two questions through the prefix cache, with KVzip (about 15 minutes); the long-context frontier,
 # needles at 4k and 7k tokens at 3-12% of the bytes against TOVA, SnapKV and KIVI, with kvpress' SnapKV
-# with and without per-head budgets after our setups (about 55 minutes).
+# with and without per-head budgets after our setups (about 50 minutes).
 bench-quality: bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long
 
 bench-quality-peers: model bench-peers
