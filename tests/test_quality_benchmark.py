@@ -104,8 +104,9 @@ def test_kvpress_results_come_back_as_rows_scored_against_kvpress_uncompressed(t
     assert rows[2].needle_by_length == {1000: 0.5, 2000: 1.0}
 
     out = tmp_path / "quality"
-    quality.report(rows, Namespace(threads=1, peers=True, out=out, commit="abc1234"), tasks)
+    quality.report(rows, Namespace(threads=1, peers=True, peers_after=False, out=out, commit="abc1234"), tasks)
     table = out.with_suffix(".md").read_text()
+    assert "1 CPU threads shared by our setups and kvpress's, which run at the same time" in table
     assert "| kvpress SnapKV | 75% (0.40) |" in table  # needle: score (memory kept)
     assert "| dynamic | 9.10 (0.00) |" in table  # perplexity column
     assert json.loads(out.with_suffix(".json").read_text())["rows"][2]["setup"]["source"] == "kvpress"
