@@ -455,7 +455,7 @@ class Compressor:
                 seed=params.seed,
             )
             scores = state.policy.score(entries)
-            retention = state.policy.retention(entries, scores) if budget.judge else None
+            retention = state.policy.retention(entries) if budget.judge else None
             judged.append(_Judged(layer, kv, protected, scores, retention, positions < state.judged_until))
             if state.history is not None:
                 state.history.scored(layer, positions, scores, retention)

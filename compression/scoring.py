@@ -71,7 +71,7 @@ class ScorePolicy:
     def score(self, entries: LayerEntries) -> torch.Tensor:
         raise NotImplementedError
 
-    def retention(self, entries: LayerEntries, scores: torch.Tensor) -> torch.Tensor | None:
+    def retention(self, entries: LayerEntries) -> torch.Tensor | None:
         """Each entry's retention confidence, a probability in [0, 1] that the thresholds turn into
         tiers (with `compression_rate` as a ceiling); None: the policy only ranks, and the rate decides."""
         return None
@@ -178,6 +178,7 @@ class Dynamic(ScorePolicy):
     decay: float = 0.95  # per observation
     kernel_size: int = 3
     pooling: Literal["avg", "max"] = "max"  # over `kernel_size` neighbours (avg over 5 for long contexts)
+    retention_kernel: int = 3  # the thresholds judge an entry with its neighbours: the likeliest of this many
     doubt_weight: float = 0.5
     confident_extra_rate: float = 0.1  # share of the remaining bytes also removed while the model is confident
 
@@ -189,19 +190,23 @@ class Dynamic(ScorePolicy):
         return 1.0 + self.doubt_weight * (1.0 - token_confidence)
 
     def score(self, entries: LayerEntries) -> torch.Tensor:
-        pooled = _pool(entries.value, entries.positions, self.kernel_size, self.pooling)
-        return pooled * self.doubt(entries.token_confidence)
+        return self._pooled(entries, self.kernel_size, self.pooling)
 
-    def retention(self, entries: LayerEntries, scores: torch.Tensor) -> torch.Tensor | None:
-        """P(needed) of the score over the average held entry's value: the confidence of its
-        neighbourhood's mean value (max-pooled: its own or its likeliest neighbour's)."""
+    def retention(self, entries: LayerEntries) -> torch.Tensor | None:
+        """P(needed) of the entry's or an adjacent token's value (the maximum over `retention_kernel`),
+        over the average held entry's. Judged apart from the ranking's pooling: the thresholds size the
+        request, the ranking chooses what fills it, and averaging (which ranks runs of attended tokens
+        higher) would lower an isolated peak's confidence and give up bytes."""
         calibration = entries.calibration
         if not self.thresholds_decide or calibration is None:
             return None
         average = calibration.average(entries.value)
         if average <= 0.0:
             return None  # nothing observed yet: the rate decides
-        return calibration(scores / average)
+        return calibration(self._pooled(entries, self.retention_kernel, "max") / average)
+
+    def _pooled(self, entries: LayerEntries, kernel: int, kind: Literal["avg", "max"]) -> torch.Tensor:
+        return _pool(entries.value, entries.positions, kernel, kind) * self.doubt(entries.token_confidence)
 
     def target_rate(self, rate: float, recent_confidence: list[float]) -> float:
         """Confident (mean top-token probability above 0.5), remove up to `confident_extra_rate` of

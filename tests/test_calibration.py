@@ -85,19 +85,33 @@ def entries(attention: list[float], calibration: Calibration | None, confidence:
 
 
 def test_dynamic_turns_its_score_into_the_calibrated_probability():
-    policy = make_policy("dynamic", {"kernel_size": 1, "thresholds_decide": True})
+    policy = make_policy("dynamic", {"kernel_size": 1, "retention_kernel": 1, "thresholds_decide": True})
     table = Calibration("attention", 0.5, 128, (0.0, 1.0, 4.0), (0.0, 0.5, 1.0))
     layer = entries([0.0, 1.0, 2.0, 5.0], table)  # mean 2: relative 0, 0.5, 1, 2.5
-    retention = policy.retention(layer, policy.score(layer))
+    retention = policy.retention(layer)
     assert torch.allclose(retention, torch.tensor([0.0, 0.25, 0.5, 0.75]))
     # Doubt raises the score, hence the confidence; no table or nothing observed: the rate decides.
     doubtful = entries([0.0, 1.0, 2.0, 5.0], table, confidence=0.2)
-    assert (policy.retention(doubtful, policy.score(doubtful))[1:] > retention[1:]).all()
-    assert policy.retention(entries([1.0, 2.0], None), torch.ones(2)) is None
-    assert policy.retention(entries([0.0, 0.0], table), torch.zeros(2)) is None
+    assert (policy.retention(doubtful)[1:] > retention[1:]).all()
+    assert policy.retention(entries([1.0, 2.0], None)) is None
+    assert policy.retention(entries([0.0, 0.0], table)) is None
     # As shipped its thresholds decide; turned off, it gives no confidence and the rate decides.
-    assert torch.equal(make_policy("dynamic").retention(layer, policy.score(layer)), retention)
-    assert make_policy("dynamic", {"thresholds_decide": False}).retention(layer, policy.score(layer)) is None
+    assert torch.equal(make_policy("dynamic", {"retention_kernel": 1}).retention(layer), retention)
+    assert make_policy("dynamic", {"thresholds_decide": False}).retention(layer) is None
+
+
+def test_the_thresholds_judge_an_entry_with_its_neighbours_whatever_pooling_ranks_it():
+    # A lone peak (position 5) among quiet tokens: averaging over 5 would lower its confidence, but the
+    # confidence the thresholds size the request by is the same for every ranking pooling, and an
+    # entry beside the peak is judged as likely needed as the peak itself.
+    table = Calibration("attention", 0.5, 128, (0.0, 1.0, 4.0), (0.0, 0.5, 1.0))
+    value = [0.1] * 12
+    value[5] = 4.0
+    layer = entries(value, table)
+    poolings = ({}, {"pooling": "avg", "kernel_size": 5})
+    judged = [make_policy("dynamic", options).retention(layer) for options in poolings]
+    assert torch.equal(judged[0], judged[1])
+    assert judged[0][4] == judged[0][5] == judged[0][6] > judged[0][3]
 
 
 def test_a_forecast_is_measured_against_the_windows_average_share():
