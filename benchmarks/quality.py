@@ -228,10 +228,11 @@ def build_tasks(
     ppl_tokens: int,
     answer_tokens: int | None = None,
     needle_lengths: tuple[int, ...] = (1000, 2000, 3000),
+    first_needle: int = 0,
 ) -> Tasks:
     """`answer_tokens`: summaries of exactly that many tokens, EOS ignored; else up to 48. `ppl_tokens`
-    0: no perplexity task."""
-    needle_set = needle_cases(tokenizer, needles, lengths=needle_lengths)
+    0: no perplexity task. `first_needle`: the needle cases from this one on (others than the usual set's)."""
+    needle_set = needle_cases(tokenizer, first_needle + needles, lengths=needle_lengths)[first_needle:]
     summary_set = fidelity_cases(tokenizer, summaries)
     prompts, max_tokens = {}, {}
     for case in [*needle_set, *summary_set]:
@@ -443,7 +444,13 @@ def main() -> None:
 
     model, tokenizer, future_value = load_with_predictor(args.model_path)
     tasks = build_tasks(
-        tokenizer, args.needles, args.summaries, args.perplexity_tokens, args.answer_tokens, tuple(args.needle_lengths)
+        tokenizer,
+        args.needles,
+        args.summaries,
+        args.perplexity_tokens,
+        args.answer_tokens,
+        tuple(args.needle_lengths),
+        args.needles_from,
     )
 
     with peers_alongside(args, tasks, peers_threads) if alongside else contextlib.nullcontext() as peers:
@@ -462,6 +469,12 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", type=Path, default=None)
     parser.add_argument("--needles", type=int, default=9, help="split evenly over the needle lengths")
+    parser.add_argument(
+        "--needles-from",
+        type=int,
+        default=0,
+        help="the needle cases from this index on: cases the usual set does not contain (held out from tuning)",
+    )
     parser.add_argument("--needle-lengths", type=int, nargs="+", default=[1000, 2000, 3000], help="tokens of text")
     parser.add_argument("--summaries", type=int, default=4)
     parser.add_argument(

@@ -241,6 +241,9 @@ def test_the_long_preset_puts_every_row_at_the_frontier(monkeypatch, tokenizer):
     tasks = quality.build_tasks(tokenizer, 2, 0, 0, needle_lengths=(4000, 7000))
     assert [c.context_tokens for c in tasks.needles] == [4000, 7000] and tasks.perplexity_ids == []
     assert 3900 < len(tasks.prompts["needle-4000-0"]) < 4400 and 6800 < len(tasks.prompts["needle-7000-1"]) < 7700
+    held_out = quality.build_tasks(tokenizer, 2, 0, 0, needle_lengths=(4000, 7000), first_needle=12)
+    assert [c.name for c in held_out.needles] == ["needle-4000-12", "needle-7000-13"]
+    assert not set(held_out.prompts) & set(tasks.prompts)
     row = Row(Setup("uncompressed", "auto", "none", 0.0), needle_relative=1.0)
     assert set(quality.measured_tasks([row])) == {"needle"}
 
