@@ -81,7 +81,7 @@ LONG = {  # --long: the frontier where the model's context ends and bytes are fe
     "kivi": [2, 4],
     "key_only_bits": [2],
     "unrotated_keys": ["int4"],  # int4 keys as they were before the rotation, at the same bytes
-    "poolings": [("avg", 5)],  # SnapKV's pooling: more needles at these lengths, less fidelity at 1-2k
+    "poolings": [("max", 3)],  # dynamic's earlier default: against its previous version
     "fixed_rates": [0.875, 0.95, 0.97],  # the rate alone deciding, at the ceiling's bytes
     "peers": True,  # per-head budgets: kvpress's SnapKV with AdaKV's head-wise budgets and without
     "presses": ["SnapKV", "AdaKV(SnapKV)"],
@@ -557,9 +557,9 @@ def parse_args() -> argparse.Namespace:
         "--long",
         action="store_true",
         help="the long-context frontier: needles at 4k and 7k tokens, rates 0.875/0.95/0.97, baselines at int8, "
-        "KIVI-2/4, dynamic at int4 (keys rotated and not), with per-layer budgets, averaged over 5 and with the "
-        "rate alone deciding, kvpress SnapKV with and without per-head budgets (AdaKV); no summaries, perplexity "
-        "or teacher forcing",
+        "KIVI-2/4, dynamic at int4 (keys rotated and not), with per-layer budgets, max-pooled over 3 (its earlier "
+        "default) and with the rate alone deciding, kvpress SnapKV with and without per-head budgets (AdaKV); no "
+        "summaries, perplexity or teacher forcing",
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "quality")
     if parser.parse_known_args()[0].long:

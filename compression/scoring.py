@@ -154,21 +154,21 @@ class Random(ScorePolicy):
 
 @dataclass
 class Dynamic(ScorePolicy):
-    """Future value, pooled over neighbours, raised for tokens sampled in doubt; its thresholds decide.
+    """Future value, averaged over neighbours, raised for tokens sampled in doubt; its thresholds decide.
 
     The future value is the attention the value predictor expects over the coming window when it
     ran, else the decayed observed attention: old observations fade (`decay` per observation), so
-    entries that mattered once but no longer do can leave. The pooling keeps the neighbours of
-    attended tokens (facts span several tokens); averaged over 5 (as SnapKV pools), runs of
-    attended tokens outrank an isolated peak's neighbours, which keeps more of the needles at
-    4-7k tokens but lost fidelity at 1-2k (docs/design.md). Tokens the model sampled with low
-    confidence mark points where the text could have gone another way; they get up to
+    entries that mattered once but no longer do can leave. Averaging over 7 neighbours ranks runs
+    of attended tokens (a fact spans a sentence) above an isolated peak and its neighbours: at 4-7k
+    tokens it keeps the needles that the maximum over 3 (the earlier default) lost, and at 1-2k it
+    is closer to the full cache at the same bytes (docs/design.md). Tokens the model sampled with
+    low confidence mark points where the text could have gone another way; they get up to
     `doubt_weight` more.
-    Its retention confidence is that score as a calibrated probability of being needed
-    (`compression.predictor.calibration`). With `thresholds_decide` the thresholds set how many
-    bytes the request holds, under the rate's ceiling, and its layers spend them as a rate does (off
-    by default: judging every layer at every compression costs decode time); without a fitted
-    calibration the rate alone decides either way.
+    Its retention confidence is the calibrated probability that an entry or an adjacent token is
+    needed (`compression.predictor.calibration`). With `thresholds_decide` the thresholds set how
+    many bytes the request holds, under the rate's ceiling, judged every `prediction_refresh`
+    compressions, and its layers spend them as a rate does; without a fitted calibration the rate
+    alone decides.
     """
 
     name = "dynamic"
@@ -176,8 +176,8 @@ class Dynamic(ScorePolicy):
     uses_predictor = True
     thresholds_decide: bool = True  # a field here: requests may turn it off (policy_options)
     decay: float = 0.95  # per observation
-    kernel_size: int = 3
-    pooling: Literal["avg", "max"] = "max"  # over `kernel_size` neighbours (avg over 5 for long contexts)
+    kernel_size: int = 7
+    pooling: Literal["avg", "max"] = "avg"  # over `kernel_size` neighbours in the text
     retention_kernel: int = 3  # the thresholds judge an entry with its neighbours: the likeliest of this many
     doubt_weight: float = 0.5
     confident_extra_rate: float = 0.1  # share of the remaining bytes also removed while the model is confident

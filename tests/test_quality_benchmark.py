@@ -228,14 +228,14 @@ def test_the_long_preset_puts_every_row_at_the_frontier(monkeypatch, tokenizer):
     assert unrotated.storage == "int4" and not unrotated.key_rotation
     assert all(s.key_rotation for s in plan if s is not unrotated and s.label != unrotated.label)
     assert {s.rate for s in plan if s.rate} == {0.875, 0.95, 0.97}
-    averaged = next(s for s in plan if s.label == "dynamic, avg-pooled over 5")
-    scorer = resolve(CompressionConfig(), quality.request_of(averaged), True, False).scorer()
-    assert (scorer.pooling, scorer.kernel_size) == ("avg", 5)
+    previous = next(s for s in plan if s.label == "dynamic, max-pooled over 3")  # dynamic's earlier default
+    scorer = resolve(CompressionConfig(), quality.request_of(previous), True, False).scorer()
+    assert (scorer.pooling, scorer.kernel_size) == ("max", 3)
     assert {s.rate for s in plan if s.label == "dynamic, rate only"} == {0.875, 0.95, 0.97}
-    rate_only_averaged = [s for s in plan if s.label == "dynamic, rate only, avg-pooled over 5"]
-    assert {s.rate for s in rate_only_averaged} == {0.875, 0.95, 0.97}
-    options = quality.request_of(rate_only_averaged[0])["policy_options"]["dynamic"]
-    assert options == {"thresholds_decide": False, "pooling": "avg", "kernel_size": 5}
+    rate_only_previous = [s for s in plan if s.label == "dynamic, rate only, max-pooled over 3"]
+    assert {s.rate for s in rate_only_previous} == {0.875, 0.95, 0.97}
+    options = quality.request_of(rate_only_previous[0])["policy_options"]["dynamic"]
+    assert options == {"thresholds_decide": False, "pooling": "max", "kernel_size": 3}
     pyramid = next(s for s in plan if s.layer_budget == "pyramid")
     assert resolve(CompressionConfig(), quality.request_of(pyramid), True, False).layer_budget == "pyramid"
     tasks = quality.build_tasks(tokenizer, 2, 0, 0, needle_lengths=(4000, 7000))
