@@ -131,7 +131,7 @@ def confidence_policy(name: str, confidence: Callable[[LayerEntries], torch.Tens
         def score(self, entries: LayerEntries) -> torch.Tensor:
             return entries.positions.float()
 
-        def retention(self, entries: LayerEntries, scores: torch.Tensor) -> torch.Tensor:
+        def retention(self, entries: LayerEntries) -> torch.Tensor:
             return confidence(entries)
 
     Confident.name = name
