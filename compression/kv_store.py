@@ -363,6 +363,7 @@ class KVStore:
             if tokens is not None:
                 groups.append((pool, None if len(by_pool) == 1 else _tensor(tokens, device)))
         decode = [i for i, seg in enumerate(segments) if seg.num_tokens == 1]
+        decode_pools = [self._slot_pool[slots[i]] for i in decode]
         observe = np.full(len(decode), -1, dtype=np.int32)
         observed = [j for j, i in enumerate(decode) if segments[i].observe]
         observe[observed] = np.arange(len(observed))
@@ -373,11 +374,11 @@ class KVStore:
             groups=groups,
             decode_tokens=torch.tensor([segments[i].start for i in decode], dtype=torch.long, device=device),
             row_slot=_tensor(slots[decode], device, torch.int32),
-            row_pool=torch.tensor([pools.index(self._slot_pool[slots[i]]) for i in decode], dtype=torch.int32),
+            row_pool=torch.tensor([pools.index(pool) for pool in decode_pools], dtype=torch.int32),
             pools=pools,
             observe_index=_tensor(observe, device),
             num_observed=len(observed),
-            turned_rows=self._turned_rows([self._slot_pool[slots[i]] for i in decode]),
+            turned_rows=self._turned_rows(decode_pools),
         )
         layer_index = torch.arange(self.num_layers, device=device)[:, None]
         where = (layer_index, plan.token_slot, plan.key_index)
