@@ -1,11 +1,12 @@
 """The Ray Serve application on a local Ray cluster started here: an ingress on loopback and two
 engine replicas of the real default model. Serving, labelled metrics, routing under KV pressure, a
-replica killed under locust load, and prefix affinity against Ray's default router."""
+replica killed under locust load, and conversations kept where their prefixes are cached."""
 
 from __future__ import annotations
 
 import asyncio
 import csv
+import itertools
 import json
 import threading
 import time
@@ -166,17 +167,23 @@ def test_a_replica_killed_under_locust_load_loses_no_request_and_comes_back(clus
     assert httpx.post(f"{cluster}/generate", json={"prompt": "Hello", "max_tokens": 2}, timeout=300).status_code == 200
 
 
-def test_prefix_affinity_beats_rays_default_router_on_conversations(cluster):
-    """It redeploys: with our router, then with Ray's default one."""
+def test_our_router_keeps_each_conversation_where_its_prefix_is_cached(cluster):
+    """Every later turn goes to the replica that served the conversation, and finds its earlier turns
+    cached there. Against Ray's default router this is a figure, not a test: power-of-two choices
+    often sends a turn back to the replica it just left (the least loaded one), so how far it falls
+    behind varies from run to run; `benchmarks/ray_serving.py` measures it."""
     convs = conversations(6, 3, words=300, seed=1)
-    roomy = {**SETTINGS, "max_cache_size": "512MB"}  # every conversation's prefix fits, under either router
+    roomy = {**SETTINGS, "max_cache_size": "512MB"}  # every conversation's prefix fits
     deploy(cluster, replica_settings(**roomy, cluster={"replicas": 2}))
-    ours = asyncio.run(run_conversations(cluster, convs, max_tokens=8, progress=False))
-    deploy(cluster, replica_settings(**roomy, cluster={"replicas": 2, "router": "power_of_two"}))
-    default = asyncio.run(run_conversations(cluster, convs, max_tokens=8, progress=False))
-    a, b = summary(ours, 1.0), summary(default, 1.0)
-    print(json.dumps({"ours": a, "default": b}, indent=1))
-    assert a["errors"] == b["errors"] == 0
-    assert a["prefix_hit_rate"] > 0.8
-    assert a["prefix_hit_rate"] > b["prefix_hit_rate"] + 0.1
-    assert a["ttft_later_median_s"] < b["ttft_later_median_s"]
+    turns = asyncio.run(run_conversations(cluster, convs, max_tokens=8, progress=False))
+    figures = summary(turns, 1.0)
+    print(json.dumps(figures, indent=1))
+    assert figures["errors"] == 0 and figures["requests"] == 18
+    assert figures["prefix_hit_rate"] > 0.9
+    by_conversation: dict[int, list] = {}
+    for turn in sorted(turns, key=lambda t: (t.conversation, t.turn)):
+        by_conversation.setdefault(turn.conversation, []).append(turn)
+    for conversation in by_conversation.values():
+        assert {t.replica for t in conversation} == {conversation[0].replica}
+        for before, after in itertools.pairwise(conversation):
+            assert after.cached_tokens >= 0.9 * before.prompt_tokens
