@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from compression.config import CompressionParams
@@ -35,6 +36,7 @@ class _Budget(NamedTuple):
     per_layer: float  # bytes per layer it may keep on average: the ceiling, or less where the thresholds judged so
     full_bytes: int  # of a FULL entry
     key_only_bytes: int  # of a KEY_ONLY entry
+    rounding: float  # a partial block of each of a layer's tables: what whole blocks may hold past `per_layer`
     judge: bool  # do the thresholds judge the request now (every layer)?
     rescore: bool  # is every layer scored now (to judge, or to share the bytes among layers afresh)?
 
@@ -104,7 +106,7 @@ class SequenceState:
     confidences: list[float] = field(default_factory=list)  # top-token probability of each generated token
     predictions: int = 0  # compressions the value predictor ran for
     judged_until: int = 0  # entries below this position were kept by an earlier compression
-    compressions: int = 0  # compressions that changed or judged something
+    compressions: int = 0  # compressions run (due or forced), whether or not they changed anything
     content_bytes_per_token: float | None = None  # per layer: what the thresholds kept at their last judgment
     layer_weights: torch.Tensor | None = None  # adaptive layer budgets: each layer's share (mean 1), when scored
     history: TierHistory | None = None  # each compression's tiers, for requests that ask (`inspect`)
@@ -430,6 +432,7 @@ class Compressor:
         store = self.store
         budget = self._budget(seq_id, num_tokens, state)
         layers = self._to_compress(seq_id, state, budget)
+        state.compressions += 1
         if not layers:
             return  # nothing to remove: attention is still observed (traces, scores for later)
         if predicted is None and self._uses_predictor(state):
@@ -465,10 +468,12 @@ class Compressor:
         if budget.rescore and state.params.layer_budget == "adaptive":
             state.layer_weights = adaptive_weights([j.scores[~j.protected] for j in judged])
         layer_bytes = self._layer_bytes(state, per_layer)
+        over = self._over(seq_id, layer_bytes, budget.rounding)
         full_bytes, key_only_bytes = budget.full_bytes, budget.key_only_bytes
-        state.compressions += 1
         keep = {}
         for layer, kv, protected, scores, _, _ in judged:
+            if not over[layer]:
+                continue
             plan = plan_tiers(
                 scores,
                 protected,
@@ -524,7 +529,7 @@ class Compressor:
         rate = self.target_rate(state)
         full_bytes, key_only_bytes = store.entry_bytes(store.codec_of(seq_id))
         if rate <= 0.0:
-            return _Budget(float("inf"), float("inf"), full_bytes, key_only_bytes, judge=False, rescore=False)
+            return _Budget(float("inf"), float("inf"), full_bytes, key_only_bytes, 0.0, judge=False, rescore=False)
         per_token = store.model_token_bytes / store.num_layers
         # Tables hold whole blocks: leave room for a partial one of each of the three tables (keys,
         # values, key-only values: half a FULL entry, half, and a KEY_ONLY entry less a key).
@@ -539,7 +544,7 @@ class Compressor:
         per_layer = ceiling
         if state.content_bytes_per_token is not None and not judge:
             per_layer = min(ceiling, state.content_bytes_per_token * num_tokens)
-        return _Budget(ceiling, per_layer, full_bytes, key_only_bytes, judge, rescore)
+        return _Budget(ceiling, per_layer, full_bytes, key_only_bytes, rounding, judge, rescore)
 
     def _layer_bytes(self, state: SequenceState, per_layer: float) -> list[float]:
         """Each layer's bytes: the per-layer mean, shared among the layers as `layer_budget` says."""
@@ -550,14 +555,17 @@ class Compressor:
         return (per_layer * weights).tolist()
 
     def _to_compress(self, seq_id: int, state: SequenceState, budget: _Budget) -> list[int]:
-        """The layers a compression may change (and scores): every layer when the thresholds judge the
-        request or the layers' shares are renewed, else only those holding more than their budget."""
+        """The layers a compression scores: every layer when the thresholds judge the request or the
+        layers' shares are renewed, else only those over their budget (`_over`)."""
         if budget.rescore:
             return list(range(self.store.num_layers))
-        full, key_only = budget.full_bytes, budget.key_only_bytes
-        limits = self._layer_bytes(state, budget.per_layer)
-        held = [self.store.layer(seq_id, layer) for layer in range(self.store.num_layers)]
-        return [i for i, kv in enumerate(held) if kv.num_full * full + kv.num_key_only * key_only > limits[i]]
+        return np.flatnonzero(self._over(seq_id, self._layer_bytes(state, budget.per_layer), budget.rounding)).tolist()
+
+    def _over(self, seq_id: int, layer_bytes: list[float], rounding: float) -> np.ndarray:
+        """Which layers [layers] hold more than their bytes, whole blocks counted (a partial block of
+        each table allowed): only compacting those frees memory, which is held in whole blocks.
+        Compacting a layer that fits would drop entries and rewrite its tables for no block freed."""
+        return self.store.layer_bytes(seq_id) > np.asarray(layer_bytes) + rounding
 
     def _token_confidence(self, state: SequenceState, num_tokens: int) -> torch.Tensor:
         confidence = torch.ones(num_tokens + 1, device=self.store.device)

@@ -276,8 +276,13 @@ class KVStore:
         slot = self._slots.get(seq_id)
         if slot is None:
             return 0
-        main = int(self.num_blocks[KEYS:KEY_ONLY, :, slot].sum()) * self._slot_pool[slot].block_bytes
-        return main + int(self.num_blocks[KEY_ONLY, :, slot].sum()) * self.key_only_pool.block_bytes
+        return int(self.layer_bytes(seq_id).sum())
+
+    def layer_bytes(self, seq_id: int) -> np.ndarray:
+        """Bytes of the blocks each layer of this sequence holds [layers]: what it costs, whole blocks counted."""
+        slot = self._slots[seq_id]
+        main = self.num_blocks[KEYS:KEY_ONLY, :, slot].sum(axis=0) * self._slot_pool[slot].block_bytes
+        return main + self.num_blocks[KEY_ONLY, :, slot] * self.key_only_pool.block_bytes
 
     def seq_length(self, seq_id: int, layer: int = 0) -> int:
         slot = self._slots.get(seq_id)

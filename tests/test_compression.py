@@ -257,3 +257,28 @@ def test_dynamic_budget_compresses_harder_only_while_confident():
     assert 0.6 < engine.target_rate(dynamic) <= 0.6 + dynamic.policy.confident_extra_rate * 0.4
     baseline.confidences = [0.99] * 16
     assert engine.target_rate(baseline) == 0.6
+
+
+@pytest.mark.parametrize("policy", ["dynamic", "snapkv", "h2o"])
+def test_a_layer_is_compacted_only_when_that_frees_blocks(model, tokenizer, policy):
+    """Memory is held in whole blocks: a due compression leaves alone a layer whose blocks still fit
+    its budget (compacting it would rewrite its tables and free nothing), and every layer it does
+    compact gives blocks back."""
+    engine = make_engine(model, tokenizer, compression=SETTINGS)
+    store, compactions, compressions = engine.store, [], []
+    retier = store.retier
+
+    def watched(seq_id, keep):
+        before = store.layer_bytes(seq_id).copy()
+        freed = retier(seq_id, keep)
+        after = store.layer_bytes(seq_id)
+        compactions.append([(before[layer], after[layer]) for layer in keep])
+        return freed
+
+    store.retier = watched
+    engine.compression.hooks.compressed.append(lambda *_: compressions.append(1))
+    run_one(engine, prompt(tokenizer, 400, seed=3), policy, 0.75, max_tokens=64, kv_cache_dtype="int8")
+    assert compactions, "nothing was ever compacted"
+    assert len(compactions) < len(compressions)  # some due compressions found every layer fitting
+    assert all(after < before for layers in compactions for before, after in layers)
+    assert store.used_bytes == 0
