@@ -249,7 +249,10 @@ def batches(draw: st.DrawFn, max_keys: int = 300) -> DecodeBatch:
 
 def assert_matches(result: DecodeResult, expected: DecodeResult) -> None:
     # float32 accumulated in another order (and exp approximated): agreement to a few 1e-6 relative.
-    torch.testing.assert_close(result.out, expected.out, rtol=1e-4, atol=1e-5)
+    # An output is a weighted sum of values, so its rounding error scales with the largest of them,
+    # not with the output itself (a near-zero output of large values carries their error).
+    scale = max(1.0, float(expected.out.abs().max())) if expected.out.numel() else 1.0
+    torch.testing.assert_close(result.out, expected.out, rtol=1e-4, atol=1e-5 * scale)
     torch.testing.assert_close(result.lse, expected.lse, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(result.observed, expected.observed, rtol=1e-4, atol=1e-6)
 
