@@ -37,7 +37,16 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import kivi  # noqa: E402
 from benchmarks.corpus import text_of_tokens  # noqa: E402
 from benchmarks.report import RESULTS, save_report  # noqa: E402
-from compression.quant import bytes_per_vector, dequantize, quantize, random_rotation  # noqa: E402
+from compression.block_pool import Codec  # noqa: E402
+from compression.kv_store import BLOCK_SIZE  # noqa: E402
+from compression.quant import (  # noqa: E402
+    bytes_per_vector,
+    dequantize,
+    dequantize_channels,
+    quantize,
+    quantize_channels,
+    random_rotation,
+)
 from models.default_model import default_model_path  # noqa: E402
 
 CAPTURE = "capture_queries_and_keys"
@@ -51,6 +60,17 @@ def per_token(bits: int, rotation: torch.Tensor | None = None) -> Format:
         return back if rotation is None else back @ rotation.T
 
     return stored
+
+
+def per_channel_blocks(keys: torch.Tensor) -> torch.Tensor:
+    """Keys as the kivi4 storage holds them: int4 per channel over each block of BLOCK_SIZE tokens."""
+    heads, n, dim = keys.shape
+    padded = torch.cat((keys, keys.new_zeros(heads, -n % BLOCK_SIZE, dim)), dim=1)
+    blocks = padded.view(heads, -1, BLOCK_SIZE, dim).permute(1, 2, 0, 3)  # [blocks, BLOCK_SIZE, heads, D]
+    counts = (n - BLOCK_SIZE * torch.arange(blocks.shape[0])).clamp(max=BLOCK_SIZE)
+    codes, params = quantize_channels(blocks, counts)
+    back = dequantize_channels(codes, params.unsqueeze(1))  # [blocks, BLOCK_SIZE, heads, D]
+    return back.permute(2, 0, 1, 3).reshape(heads, -1, dim)[:, :n]
 
 
 def formats(head_dim: int) -> dict[str, tuple[Format, float]]:
@@ -69,6 +89,10 @@ def formats(head_dim: int) -> dict[str, tuple[Format, float]]:
         "int8, per token, rotated (stored now)": (per_token(8, rotation), token_bits(8)),
         "int4, per token (before rotation)": (per_token(4), token_bits(4)),
         "int4, per token, rotated (stored now)": (per_token(4, rotation), token_bits(4)),
+        "int4c, per channel over 16-token blocks (kivi4 storage)": (
+            per_channel_blocks,
+            8 * Codec("int4c", head_dim, BLOCK_SIZE).vector_bytes / head_dim,
+        ),
         "KIVI-4 keys, per channel": (kivi_keys(4), kivi_bits[4]),
         "KIVI-2 keys, per channel": (kivi_keys(2), kivi_bits[2]),
     }

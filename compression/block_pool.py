@@ -5,7 +5,9 @@ head of one layer of one sequence, at one storage format: `data [blocks, block_s
 width]` and, when quantised, `params [blocks, block_size, kv_heads, 1 or 2]` (see
 `compression.quant`). Token-major, so that one entry (all its heads) is one contiguous row: gathers
 and scatters of entries are row copies, done on an integer view of the rows (several times faster
-than indexing the bytes). Blocks are counted by reference so that the prefix cache and the sequences
+than indexing the bytes). `int4c` (KIVI's keys: int4 per channel) is the exception: its params belong
+to a block, `params [blocks, kv_heads, 2, head_dim]`, so its blocks are written whole
+(`write_blocks`). Blocks are counted by reference so that the prefix cache and the sequences
 that reuse a prefix share them without copying; a block is written only while one holder has it.
 
 A pool grows in large steps (by half, at least `MIN_GROWTH` blocks) and never shrinks: the KV
@@ -23,23 +25,32 @@ from types import ModuleType
 import torch
 
 from compression.paged_attention import PoolTensors
-from compression.quant import SCALE_DTYPE, bytes_per_vector, quantize
+from compression.quant import SCALE_DTYPE, bytes_per_vector, quantize, quantize_channels
 
 MIN_GROWTH = 64
 
 
 class Codec:
-    """A storage format: a float dtype, or int8/int4/int2 codes with per-(token, head) scale (and minimum)."""
+    """A storage format: a float dtype, int8/int4/int2 codes with per-(token, head) scale (and minimum),
+    or int4c: keys as int4 per channel over a block's tokens, their FULL values as per-token int4."""
 
-    def __init__(self, storage: torch.dtype | str, head_dim: int) -> None:
-        self.bits = {"int8": 8, torch.int8: 8, "int4": 4, "int2": 2}.get(storage, 0)
+    def __init__(self, storage: torch.dtype | str, head_dim: int, block_size: int = 16) -> None:
+        self.bits = {"int8": 8, torch.int8: 8, "int4": 4, "int4c": 4, "int2": 2}.get(storage, 0)
+        self.per_channel = storage == "int4c"
         self.dtype = torch.int8 if self.bits == 8 else torch.uint8 if self.bits else storage
         self.head_dim = head_dim
-        self.name = f"int{self.bits}" if self.bits else str(storage).removeprefix("torch.")
+        self.block_size = block_size
+        name = f"int{self.bits}" if self.bits else str(storage).removeprefix("torch.")
+        self.name = "int4c" if self.per_channel else name
 
     @property
     def quantized(self) -> bool:
         return self.bits > 0
+
+    @property
+    def values(self) -> Codec:
+        """The format of the FULL values beside keys in this one: itself, but int4 beside int4c keys."""
+        return Codec("int4", self.head_dim, self.block_size) if self.per_channel else self
 
     @property
     def width(self) -> int:
@@ -47,12 +58,17 @@ class Codec:
 
     @property
     def vector_bytes(self) -> int:
+        """Bytes of one head vector as stored; for int4c, with its share of its block's parameters."""
+        if self.per_channel:
+            return self.head_dim // 2 + 2 * 2 * self.head_dim // self.block_size
         if self.quantized:
             return bytes_per_vector(self.head_dim, self.bits)
         return self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Vectors [..., head_dim] as stored: codes [..., width] and params [..., 1 or 2] (or None)."""
+        if self.per_channel:
+            raise ValueError("int4c encodes whole blocks (BlockPool.write_blocks), not single vectors")
         if not self.quantized:
             return x.to(self.dtype), None
         q = quantize(x, self.bits)
@@ -116,6 +132,19 @@ class BlockPool:
         else:
             self.write_encoded(rows, *self.codec.encode(x))
 
+    def write_blocks(self, blocks: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> None:
+        """int4c: store blocks of keys x [n, block_size, kv_heads, head_dim] whole, block i holding the
+        first counts[i] of its vectors, into the pool's blocks `blocks` [n]."""
+        codes, params = quantize_channels(x, counts)
+        self.data[blocks] = codes
+        self.params[blocks] = params
+
+    def copy_blocks(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy whole blocks `source` [n] over blocks `target` [n], as stored."""
+        self.data[target] = self.data[source]
+        if self.params is not None:
+            self.params[target] = self.params[source]
+
     def write_encoded(self, rows: torch.Tensor, codes: torch.Tensor, params: torch.Tensor | None) -> None:
         """Store vectors already in this format: codes [n, kv_heads, width], params [n, kv_heads, p]."""
         self._scatter(self._data_rows, rows, _rows(codes.contiguous()))
@@ -159,7 +188,7 @@ class BlockPool:
         self.data, self.params = data, params
         # One row per entry, as words: what writes and reads index (views, made once per growth).
         self._data_rows = _rows(data)
-        self._params_rows = None if params is None else _rows(params)
+        self._params_rows = None if params is None or self.codec.per_channel else _rows(params)
 
     def _empty_data(self, blocks: int) -> torch.Tensor:
         shape = (blocks, self.block_size, self.kv_heads, self.codec.width)
@@ -168,6 +197,8 @@ class BlockPool:
     def _empty_params(self, blocks: int) -> torch.Tensor | None:
         if not self.codec.quantized:
             return None
+        if self.codec.per_channel:
+            return torch.zeros(blocks, self.kv_heads, 2, self.codec.head_dim, dtype=SCALE_DTYPE, device=self.device)
         shape = (blocks, self.block_size, self.kv_heads, 1 if self.codec.bits == 8 else 2)
         return torch.zeros(shape, dtype=SCALE_DTYPE, device=self.device)
 

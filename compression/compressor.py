@@ -531,9 +531,8 @@ class Compressor:
         if rate <= 0.0:
             return _Budget(float("inf"), float("inf"), full_bytes, key_only_bytes, 0.0, judge=False, rescore=False)
         per_token = store.model_token_bytes / store.num_layers
-        # Tables hold whole blocks: leave room for a partial one of each of the three tables (keys,
-        # values, key-only values: half a FULL entry, half, and a KEY_ONLY entry less a key).
-        rounding = store.block_size * (full_bytes // 2 + key_only_bytes)
+        # Tables hold whole blocks: leave room for a partial one of each of the three tables.
+        rounding = store.table_blocks_bytes(store.codec_of(seq_id))
         ceiling = (1.0 - rate) * num_tokens * per_token - rounding
         # The thresholds judge every layer's entries, so only every `prediction_refresh` compressions
         # (when the predictor refreshes its forecasts); in between, what they kept per token holds.

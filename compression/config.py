@@ -31,7 +31,7 @@ from compression.scoring import NO_COMPRESSION, ScorePolicy, make_policy, policy
 
 DEFAULT_FILE = Path(__file__).resolve().parent.parent / "config" / "compression.json"
 
-StorageDtype = Literal["auto", "float32", "float16", "bfloat16", "int8", "int4"]
+StorageDtype = Literal["auto", "float32", "float16", "bfloat16", "int8", "int4", "kivi4"]
 
 
 class Thresholds(BaseModel):
@@ -84,7 +84,8 @@ class CompressionSettings(BaseModel):
     kv_cache_dtype: StorageDtype = Field(
         "int8",
         description="storage precision of FULL entries of compressed requests; auto is the model's dtype "
-        "(uncompressed requests always keep the model's dtype); int8 keeps ~26% of fp32",
+        "(uncompressed requests always keep the model's dtype); int8 keeps ~26% of fp32; kivi4 stores keys as "
+        "int4 per channel over each 16-token block (KIVI) and values as int4 per token, ~16%",
     )
     value_predictor: bool = Field(
         True, description="rank entries by the value predictor's forecast when one is loaded (policies that use it)"

@@ -3,8 +3,13 @@
 Every (sequence, layer) has three block tables, in key order:
 
     keys      [ KEY_ONLY entries ... | FULL entries ... ]   at the sequence's storage format
-    values                           [ FULL values ... ]    same format
+    values                           [ FULL values ... ]    same format (int4 beside int4c keys)
     key-only  [ quantised values ... ]                      int4 or int8
+
+Keys stored as int4c (KIVI's per-channel int4, storage "kivi4") have parameters per block, so a
+block is encoded whole: the exact keys of each slot's partial last block are kept beside it (the
+key tail, in the model's dtype), and each write re-encodes that block from them. Compaction
+re-encodes the blocks it writes from the stored keys (one more rounding for an entry that moves).
 
 A running sequence owns a slot: a row of the tables (`[3, layers, slots, max_blocks]`, with the
 held entries and blocks per table) and of the per-entry bookkeeping (positions, observed attention,
@@ -120,6 +125,28 @@ class ParkedKV:
         return bool((self.lengths == num_tokens).all() and (self.key_only == 0).all())
 
 
+class ChannelWrite(NamedTuple):
+    """Where one layer's new int4c keys go: whole blocks, each re-encoded from its exact keys."""
+
+    blocks: torch.Tensor  # [n] pool blocks written
+    counts: torch.Tensor  # [n] entries each holds after the step
+    token_block: torch.Tensor  # [tokens] index in `blocks` of each new key
+    token_offset: torch.Tensor  # [tokens] its offset in that block
+    from_tail: torch.Tensor  # indices in `blocks` that held entries already (their slot's key tail)
+    tail_slots: torch.Tensor  # their slots
+    last: torch.Tensor  # index in `blocks` of each slot's last block: its new key tail
+    last_slots: torch.Tensor  # their slots
+
+
+class WriteGroup(NamedTuple):
+    """The step's tokens whose keys go to one pool."""
+
+    keys: BlockPool
+    values: BlockPool
+    tokens: torch.Tensor | None  # indices in the step (None: all of them)
+    channel: list[ChannelWrite] | None  # per layer, for int4c keys
+
+
 @dataclass
 class StepPlan:
     """Where one forward pass writes its new entries, and which of its rows decode."""
@@ -127,10 +154,11 @@ class StepPlan:
     token_slot: torch.Tensor  # [tokens]
     key_index: torch.Tensor  # [layers, tokens] the new entries' places in their keys tables
     rows: torch.Tensor  # [layers, 2 * tokens] pool rows of the new keys, then of their values
-    groups: list[tuple[BlockPool, torch.Tensor | None]]  # the step's tokens by pool (None: all of them)
+    groups: list[WriteGroup]  # the step's tokens by key pool
     decode_tokens: torch.Tensor  # [rows] tokens of one-token segments
     row_slot: torch.Tensor  # [rows] int32
-    row_pool: torch.Tensor  # [rows] int32, an index in `pools`
+    row_pool: torch.Tensor  # [rows] int32, an index in `pools`: keys
+    row_value_pool: torch.Tensor  # [rows] int32, an index in `pools`: FULL values
     pools: list[BlockPool]
     observe_index: torch.Tensor  # [rows] int32
     num_observed: int
@@ -170,7 +198,8 @@ class KVStore:
         self.evicted_entries: Counter[str] = Counter()  # (layer, token) entries removed, by reason
         self._storage: dict[int, Codec] = {}  # sequences stored at another precision than the default
         self._slots: dict[int, int] = {}  # running sequence -> slot
-        self._slot_pool: dict[int, BlockPool] = {}
+        self._slot_pools: dict[int, tuple[BlockPool, BlockPool, BlockPool]] = {}  # by table kind
+        self.key_tail: torch.Tensor | None = None  # [layers, slots, block_size, kv_heads, head_dim]: int4c slots'
         self._free_slots: list[int] = []
         self.tables = np.zeros((3, num_layers, 0, 4), dtype=np.int32)
         self.num_blocks = np.zeros((3, num_layers, 0), dtype=np.int32)
@@ -204,12 +233,15 @@ class KVStore:
         )
 
     def make_codec(self, storage: torch.dtype | str | None) -> Codec:
-        """A codec for `storage`: None or "auto" is the model's dtype; a float dtype name; "int8"; "int4"."""
+        """A codec for `storage`: None or "auto" is the model's dtype; a float dtype name; "int8"; "int4";
+        "kivi4" (keys int4 per channel, values int4 per token)."""
         if storage is None or storage == "auto":
             storage = self.dtype
+        elif storage == "kivi4":
+            storage = "int4c"
         elif isinstance(storage, str) and not storage.startswith("int"):
             storage = getattr(torch, storage)
-        return Codec(storage, self.head_dim)
+        return Codec(storage, self.head_dim, self.block_size)
 
     def set_storage(self, seq_id: int, storage: torch.dtype | str | None) -> None:
         """Store this sequence's FULL entries at `storage` (before its first reservation)."""
@@ -221,8 +253,10 @@ class KVStore:
     # ----- sizes -------------------------------------------------------------------------
     def entry_bytes(self, codec: Codec | None = None) -> tuple[int, int]:
         """Bytes of one (token, layer) entry: FULL, and KEY_ONLY (key as stored, value quantised)."""
-        vector = (codec or self.codec).vector_bytes
-        return 2 * self.num_kv_heads * vector, self.num_kv_heads * (vector + self.key_only_pool.codec.vector_bytes)
+        codec = codec or self.codec
+        key = codec.vector_bytes
+        full = self.num_kv_heads * (key + codec.values.vector_bytes)
+        return full, self.num_kv_heads * (key + self.key_only_pool.codec.vector_bytes)
 
     @property
     def model_token_bytes(self) -> int:
@@ -233,9 +267,16 @@ class KVStore:
     def block_bytes(self, codec: Codec | None = None) -> int:
         return self.num_kv_heads * self.block_size * (codec or self.codec).vector_bytes
 
+    def table_blocks_bytes(self, codec: Codec | None = None) -> int:
+        """Bytes of one block of each of a layer's tables (keys, values, key-only values)."""
+        codec = codec or self.codec
+        return self.block_bytes(codec) + self.block_bytes(codec.values) + self.key_only_pool.block_bytes
+
     def bytes_for(self, num_tokens: int, codec: Codec | None = None) -> int:
         """Bytes a new sequence of `num_tokens` FULL tokens takes, whole blocks included."""
-        return self.num_layers * 2 * _blocks(num_tokens, self.block_size) * self.block_bytes(codec)
+        codec = codec or self.codec
+        blocks = self.num_layers * _blocks(num_tokens, self.block_size)
+        return blocks * (self.block_bytes(codec) + self.block_bytes(codec.values))
 
     @property
     def used_bytes(self) -> int:
@@ -248,8 +289,7 @@ class KVStore:
         """Bytes of the distinct blocks that running sequences hold."""
         held: dict[int, list[np.ndarray]] = {}
         for slot in self._slots.values():
-            for kind in range(3):
-                pool = self.key_only_pool if kind == KEY_ONLY else self._slot_pool[slot]
+            for kind, pool in enumerate(self._slot_pools[slot]):
                 tables = self.tables[kind, :, slot]
                 held.setdefault(id(pool), []).extend(
                     tables[layer, : self.num_blocks[kind, layer, slot]] for layer in range(self.num_layers)
@@ -281,8 +321,8 @@ class KVStore:
     def layer_bytes(self, seq_id: int) -> np.ndarray:
         """Bytes of the blocks each layer of this sequence holds [layers]: what it costs, whole blocks counted."""
         slot = self._slots[seq_id]
-        main = self.num_blocks[KEYS:KEY_ONLY, :, slot].sum(axis=0) * self._slot_pool[slot].block_bytes
-        return main + self.num_blocks[KEY_ONLY, :, slot] * self.key_only_pool.block_bytes
+        block_bytes = np.array([pool.block_bytes for pool in self._slot_pools[slot]])
+        return (self.num_blocks[:, :, slot] * block_bytes[:, None]).sum(axis=0)
 
     def seq_length(self, seq_id: int, layer: int = 0) -> int:
         slot = self._slots.get(seq_id)
@@ -321,23 +361,23 @@ class KVStore:
         """
         created = seq_id not in self._slots
         slot = self._open_slot(seq_id) if created else self._slots[seq_id]
-        pool = self._slot_pool[slot]
+        pools = self._slot_pools[slot]
         lengths = self.lengths[:, slot]
         need_keys = _blocks(lengths + num_new, self.block_size) - self.num_blocks[KEYS, :, slot]
         need_values = _blocks(lengths - self.key_only[:, slot] + num_new, self.block_size)
         need_values -= self.num_blocks[VALUES, :, slot]
-        needed = int(need_keys.clip(0).sum() + need_values.clip(0).sum())
-        if needed * pool.block_bytes > self.free_bytes:
+        needed = int(need_keys.clip(0).sum()) * pools[KEYS].block_bytes
+        needed += int(need_values.clip(0).sum()) * pools[VALUES].block_bytes
+        if needed > self.free_bytes:
             if created:
                 self._close_slot(seq_id)
             raise KVBudgetExceeded(
-                f"sequence {seq_id} needs {needed * pool.block_bytes} more KV bytes; "
-                f"{self.free_bytes} of {self.max_bytes} are free"
+                f"sequence {seq_id} needs {needed} more KV bytes; {self.free_bytes} of {self.max_bytes} are free"
             )
         self._ensure_capacity(int(lengths.max()) + num_new)
         for kind, need in ((KEYS, need_keys), (VALUES, need_values)):
             for layer in np.flatnonzero(need > 0):
-                self._extend(kind, int(layer), slot, pool.allocate(int(need[layer])))
+                self._extend(kind, int(layer), slot, pools[kind].allocate(int(need[layer])))
 
     def begin_step(self, segments: list, positions: torch.Tensor) -> StepPlan:
         """Plan a forward pass of these segments (`Segment`s, room reserved): where each new entry
@@ -361,14 +401,18 @@ class KVStore:
         pools = list(self.pools.values())
         by_pool: dict[int, list[int]] = {}
         for i, seg in enumerate(segments):
-            by_pool.setdefault(id(self._slot_pool[slots[i]]), []).extend(range(seg.start, seg.end))
+            by_pool.setdefault(id(self._slot_pools[slots[i]][KEYS]), []).extend(range(seg.start, seg.end))
         groups = []
         for pool in pools:
             tokens = by_pool.get(id(pool))
             if tokens is not None:
-                groups.append((pool, None if len(by_pool) == 1 else _tensor(tokens, device)))
+                channel = None
+                if pool.codec.per_channel:
+                    channel = self._channel_writes(token_slot[tokens], key_index[:, tokens])
+                index = None if len(by_pool) == 1 else _tensor(tokens, device)
+                groups.append(WriteGroup(pool, self._pool(pool.codec.values), index, channel))
         decode = [i for i, seg in enumerate(segments) if seg.num_tokens == 1]
-        decode_pools = [self._slot_pool[slots[i]] for i in decode]
+        decode_pools = [self._slot_pools[slots[i]] for i in decode]
         observe = np.full(len(decode), -1, dtype=np.int32)
         observed = [j for j, i in enumerate(decode) if segments[i].observe]
         observe[observed] = np.arange(len(observed))
@@ -379,11 +423,12 @@ class KVStore:
             groups=groups,
             decode_tokens=torch.tensor([segments[i].start for i in decode], dtype=torch.long, device=device),
             row_slot=_tensor(slots[decode], device, torch.int32),
-            row_pool=torch.tensor([pools.index(pool) for pool in decode_pools], dtype=torch.int32),
+            row_pool=torch.tensor([pools.index(p[KEYS]) for p in decode_pools], dtype=torch.int32),
+            row_value_pool=torch.tensor([pools.index(p[VALUES]) for p in decode_pools], dtype=torch.int32),
             pools=pools,
             observe_index=_tensor(observe, device),
             num_observed=len(observed),
-            turned_rows=self._turned_rows(decode_pools),
+            turned_rows=self._turned_rows([p[KEYS] for p in decode_pools]),
         )
         layer_index = torch.arange(self.num_layers, device=device)[:, None]
         where = (layer_index, plan.token_slot, plan.key_index)
@@ -397,12 +442,18 @@ class KVStore:
     def write(self, layer: int, plan: StepPlan, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the step's new keys and values of one layer (each [kv_heads, tokens, head_dim])."""
         rows = plan.rows[layer]
-        for pool, tokens in plan.groups:
+        for group in plan.groups:
+            tokens = group.tokens
             k, v = (keys, values) if tokens is None else (keys[:, tokens], values[:, tokens])
-            if self._turns_keys(pool):
+            if group.channel is not None:
+                self._write_channel_keys(layer, group.keys, group.channel[layer], k)
+                value_rows = rows[keys.shape[1] :] if tokens is None else rows[tokens + keys.shape[1]]
+                group.values.write(value_rows, v.transpose(0, 1))
+                continue
+            if self._turns_keys(group.keys):
                 k = _turn(k, self.rotation)
             entries = torch.cat((k, v), dim=1).transpose(0, 1)  # [2 * tokens, kv_heads, head_dim]
-            pool.write(rows if tokens is None else rows[torch.cat((tokens, tokens + keys.shape[1]))], entries)
+            group.keys.write(rows if tokens is None else rows[torch.cat((tokens, tokens + keys.shape[1]))], entries)
         if self.history_steps:
             norms = keys.float().norm(dim=-1).mean(dim=0)
             self.meta["key_norm"][layer, plan.token_slot, plan.key_index[layer]] = norms.to(torch.float16)
@@ -417,6 +468,7 @@ class KVStore:
             pools=[pool.tensors() for pool in plan.pools],
             row_slot=plan.row_slot,
             row_pool=plan.row_pool,
+            row_value_pool=plan.row_value_pool,
             key_only_pool=plan.pools.index(self.key_only_pool),
             key_tables=_tensor(self.tables[KEYS, layer], self.device, torch.int32),
             value_tables=_tensor(self.tables[VALUES, layer], self.device, torch.int32),
@@ -452,12 +504,11 @@ class KVStore:
         """Keys and values held by one layer of one sequence, gathered and dequantised."""
         slot = self._slots[seq_id]
         n, n_ko = int(self.lengths[layer_idx, slot]), int(self.key_only[layer_idx, slot])
-        pool = self._slot_pool[slot]
-        tensors = pool.tensors()
-        keys = tensors.read(self._leading_rows(KEYS, layer_idx, slot, n), self.dtype)
-        if self._turns_keys(pool):
+        key_pool, value_pool, _ = self._slot_pools[slot]
+        keys = key_pool.tensors().read(self._leading_rows(KEYS, layer_idx, slot, n), self.dtype)
+        if self._turns_keys(key_pool):
             keys = _turn(keys, self.rotation.T)
-        values = tensors.read(self._leading_rows(VALUES, layer_idx, slot, n - n_ko), self.dtype)
+        values = value_pool.tensors().read(self._leading_rows(VALUES, layer_idx, slot, n - n_ko), self.dtype)
         key_only = None
         if n_ko:
             key_only = self.key_only_pool.tensors().read(
@@ -503,31 +554,29 @@ class KVStore:
         slot = self._slots[seq_id]
         parked = self._snapshot(slot, PARKED_META)
         counts = (parked.lengths, parked.lengths - parked.key_only, parked.key_only)  # entries per table kind
-        pools = (self._slot_pool[slot], self._slot_pool[slot], self.key_only_pool)
+        pools = self._slot_pools[slot]
         partial = {(kind, int(layer)) for kind in range(3) for layer in np.flatnonzero(counts[kind] % self.block_size)}
         if sum(pools[kind].block_bytes for kind, _ in partial) + parked.bookkeeping_bytes > self.free_bytes:
             return None
         self.parked_bookkeeping_bytes += parked.bookkeeping_bytes
-        copies: dict[bool, list[tuple[int, int]]] = {}  # key-only pool or not -> (block, its copy) pairs
+        copies: dict[int, list[tuple[int, int]]] = {}  # pool -> (block, its copy) pairs
         for kind, layers in enumerate(parked.tables):
             for layer, table in enumerate(layers):
                 if (kind, layer) in partial:
                     old, (table[-1],) = int(table[-1]), pools[kind].allocate(1)
-                    copies.setdefault(kind == KEY_ONLY, []).append((old, int(table[-1])))
+                    copies.setdefault(id(pools[kind]), []).append((old, int(table[-1])))
                     pools[kind].ref(table[:-1].tolist())
                 else:
                     pools[kind].ref(table.tolist())
-        for key_only, pairs in copies.items():
-            pool = self.key_only_pool if key_only else pools[KEYS]
-            rows = np.array(pairs)[:, :, None] * self.block_size + np.arange(self.block_size)  # [copies, 2, bs]
-            encoded = pool.read_encoded(_tensor(rows[:, 0].ravel(), self.device))
-            pool.write_encoded(_tensor(rows[:, 1].ravel(), self.device), *encoded)
+        for pool in {id(p): p for p in pools}.values():
+            if pairs := copies.get(id(pool)):
+                pool.copy_blocks(*(_tensor(np.array(ids), self.device) for ids in zip(*pairs, strict=True)))
         return parked
 
     def discard(self, parked: ParkedKV) -> int:
         """Give back a parked cache's references; return the bytes that became free."""
         before = self.used_bytes
-        self._unref_tables(self.pools[parked.codec.name], parked.tables)
+        self._unref_tables(self._pools_of(parked.codec), parked.tables)
         self.parked_bookkeeping_bytes -= parked.bookkeeping_bytes
         self.evicted_entries["prefix_cache"] += int(parked.lengths.sum())
         return before - self.used_bytes
@@ -576,7 +625,7 @@ class KVStore:
             [self.tables[kind, layer, slot, : self.num_blocks[kind, layer, slot]] for layer in range(self.num_layers)]
             for kind in (KEYS, VALUES, KEY_ONLY)
         ]
-        self._unref_tables(self._slot_pool[slot], tables)
+        self._unref_tables(self._slot_pools[slot], tables)
         self.num_blocks[:, :, slot] = 0
         self._close_slot(seq_id)
         return before - self.used_bytes
@@ -584,8 +633,9 @@ class KVStore:
     # ----- internals ---------------------------------------------------------------------
     def _turns_keys(self, pool: BlockPool) -> bool:
         """Are the keys of sequences stored in `pool` stored rotated? (Quantised ones, unless turned off;
-        the KEY_ONLY values that may share a pool are values, never turned.)"""
-        return self.rotation is not None and pool.codec.quantized
+        the KEY_ONLY values that may share a pool are values, never turned. Per-channel keys are not:
+        the channels are what their parameters follow.)"""
+        return self.rotation is not None and pool.codec.quantized and not pool.codec.per_channel
 
     def _turned_rows(self, pools: list[BlockPool]) -> torch.Tensor | None:
         """Indices of the decode rows (of sequences in `pools`) whose keys are stored rotated, or None."""
@@ -597,12 +647,19 @@ class KVStore:
             self.pools[codec.name] = BlockPool(codec, self.num_kv_heads, self.block_size, self.device)
         return self.pools[codec.name]
 
+    def _pools_of(self, codec: Codec) -> tuple[BlockPool, BlockPool, BlockPool]:
+        """The pools of a sequence stored at `codec`, by table kind."""
+        return self._pool(codec), self._pool(codec.values), self.key_only_pool
+
     def _open_slot(self, seq_id: int) -> int:
         if not self._free_slots:
             self._grow_slots()
         slot = self._free_slots.pop()
         self._slots[seq_id] = slot
-        self._slot_pool[slot] = self._pool(self.codec_of(seq_id))
+        self._slot_pools[slot] = self._pools_of(self.codec_of(seq_id))
+        if self._slot_pools[slot][KEYS].codec.per_channel and self.key_tail is None:
+            shape = (self.num_layers, self.lengths.shape[1], self.block_size, self.num_kv_heads, self.head_dim)
+            self.key_tail = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.lengths[:, slot] = 0
         self.key_only[:, slot] = 0
         self.num_blocks[:, :, slot] = 0
@@ -610,7 +667,7 @@ class KVStore:
 
     def _close_slot(self, seq_id: int) -> None:
         slot = self._slots.pop(seq_id)
-        del self._slot_pool[slot]
+        del self._slot_pools[slot]
         self.lengths[:, slot] = 0
         self.key_only[:, slot] = 0
         self._free_slots.append(slot)
@@ -623,6 +680,10 @@ class KVStore:
         self.lengths = _pad(self.lengths, 1, new)
         self.key_only = _pad(self.key_only, 1, new)
         self._grow_meta(new, self.meta["positions"].shape[-1])
+        if self.key_tail is not None:
+            tail = self.key_tail.new_zeros(self.num_layers, new, *self.key_tail.shape[2:])
+            tail[:, :old] = self.key_tail
+            self.key_tail = tail
         self._free_slots.extend(range(new - 1, old - 1, -1))
 
     def _ensure_capacity(self, entries: int) -> None:
@@ -669,7 +730,7 @@ class KVStore:
             n = int(self.lengths[:, slot].max())
             meta = {name: t[:, slot, ..., :n].to(own[name], copy=True) for name, t in self.meta.items() if name in own}
         return ParkedKV(
-            codec=self._slot_pool[slot].codec,
+            codec=self._slot_pools[slot][KEYS].codec,
             tables=[
                 [
                     self.tables[kind, layer, slot, : self.num_blocks[kind, layer, slot]].copy()
@@ -690,16 +751,20 @@ class KVStore:
         is done at once: one read and one write per table kind, whatever the number of layers.
         Everything is read before anything the slot held is let go. With `charge` the fresh blocks
         must fit in the budget (else KVBudgetExceeded, nothing changed); compaction does not check,
-        since it only ever gives bytes back, up to one block of rounding per table.
+        since it only ever gives bytes back, up to one block of rounding per table. int4c keys are
+        read as keys and their fresh blocks encoded anew (their parameters are the blocks').
         """
         if not keep:
             return
-        bs, pool, key_only_pool = self.block_size, self.pools[source.codec.name], self.key_only_pool
-        pools = (pool, pool, key_only_pool)  # by table kind
+        bs, pools = self.block_size, self._pools_of(source.codec)
+        per_channel = pools[KEYS].codec.per_channel
         layers, orders, layouts, reads, demoted = _plan_rebuild(source, keep, bs)
-        encoded = [pools[kind].read_encoded(self._rows_tensor(reads[kind])) for kind in range(3)]
+        encoded = [pools[kind].read_encoded(self._rows_tensor(reads[kind])) for kind in range(per_channel, 3)]
+        if per_channel:
+            encoded.insert(KEYS, (pools[KEYS].tensors().read(self._rows_tensor(reads[KEYS]), self.dtype), None))
+        key_only_pool = pools[KEY_ONLY]
         if any(rows.size for rows in demoted):
-            values = pool.tensors().read(self._rows_tensor(demoted), torch.float32)
+            values = pools[VALUES].tensors().read(self._rows_tensor(demoted), torch.float32)
             codes, params = key_only_pool.codec.encode(values.transpose(0, 1))
             # Each layer's KEY_ONLY table: the entries it kept, then those it demoted.
             merged = _interleave([len(rows) for rows in reads[KEY_ONLY]], [len(rows) for rows in demoted])
@@ -711,22 +776,89 @@ class KVStore:
                 raise KVBudgetExceeded(f"a cached prefix needs {fresh} bytes; {self.free_bytes} are free")
 
         targets: list[list[np.ndarray]] = [[], [], []]
+        fresh_keys = []  # per layer: the fresh blocks of its keys table
         for layer, layout in zip(layers, layouts, strict=True):
             for kind, (shared, n) in enumerate(layout):
                 old = self.tables[kind, layer, slot, : self.num_blocks[kind, layer, slot]].copy()
                 pools[kind].ref(shared.tolist())
                 self.num_blocks[kind, layer, slot] = 0
-                self._extend(kind, layer, slot, [*shared.tolist(), *pools[kind].allocate(_blocks(n, bs))])
+                fresh = pools[kind].allocate(_blocks(n, bs))
+                self._extend(kind, layer, slot, [*shared.tolist(), *fresh])
                 start = len(shared) * bs
                 targets[kind].append(_entry_rows(self.tables[kind, layer, slot], np.arange(start, start + n), bs))
                 pools[kind].unref(old.tolist())
-        for kind, (codes, params) in enumerate(encoded):
+                if kind == KEYS:
+                    fresh_keys.append(np.array(fresh, dtype=np.int64))
+        if per_channel:
+            keys = encoded.pop(KEYS)[0]  # [kv_heads, entries, head_dim]
+            self._write_channel_blocks(slot, layers, fresh_keys, [layout[KEYS][1] for layout in layouts], keys)
+        for kind, (codes, params) in enumerate(encoded, start=per_channel):
             if len(codes):
                 pools[kind].write_encoded(self._rows_tensor(targets[kind]), codes, params)
 
         self._copy_meta(slot, source, layers, [order for order, _ in orders])
         self.lengths[layers, slot] = [len(order) for order, _ in orders]
         self.key_only[layers, slot] = [n_ko for _, n_ko in orders]
+
+    def _channel_writes(self, token_slot: np.ndarray, key_index: np.ndarray) -> list[ChannelWrite]:
+        """Per layer, the blocks that these new int4c keys (of slots `token_slot`, at `key_index`
+        [layers, tokens]; lengths already counting them) touch, as `_write_channel_keys` rewrites them."""
+        bs, device = self.block_size, self.device
+        writes = []
+        for layer in range(self.num_layers):
+            position = key_index[layer] // bs
+            pairs, token_block = np.unique(token_slot * self.tables.shape[-1] + position, return_inverse=True)
+            slots, positions = pairs // self.tables.shape[-1], pairs % self.tables.shape[-1]
+            first = np.full(len(pairs), bs)
+            np.minimum.at(first, token_block, key_index[layer] % bs)
+            from_tail = np.flatnonzero(first > 0)  # blocks that held entries before this step
+            last = np.flatnonzero(np.append(slots[1:] != slots[:-1], True))  # pairs are sorted by slot
+            writes.append(
+                ChannelWrite(
+                    blocks=_tensor(self.tables[KEYS, layer, slots, positions], device),
+                    counts=_tensor(np.minimum(bs, self.lengths[layer, slots] - positions * bs), device),
+                    token_block=_tensor(token_block, device),
+                    token_offset=_tensor(key_index[layer] % bs, device),
+                    from_tail=_tensor(from_tail, device),
+                    tail_slots=_tensor(slots[from_tail], device),
+                    last=_tensor(last, device),
+                    last_slots=_tensor(slots[last], device),
+                )
+            )
+        return writes
+
+    def _write_channel_keys(self, layer: int, pool: BlockPool, write: ChannelWrite, keys: torch.Tensor) -> None:
+        """Store new int4c keys [kv_heads, tokens, head_dim]: each block they touch is encoded anew
+        from its exact keys, those it held before coming from its slot's key tail."""
+        staged = keys.new_zeros(len(write.blocks), self.block_size, *keys.shape[::2])
+        staged[write.from_tail] = self.key_tail[layer, write.tail_slots]
+        staged[write.token_block, write.token_offset] = keys.transpose(0, 1)
+        pool.write_blocks(write.blocks, staged, write.counts)
+        self.key_tail[layer, write.last_slots] = staged[write.last]
+
+    def _write_channel_blocks(
+        self, slot: int, layers: list[int], blocks: list[np.ndarray], counts: list[int], keys: torch.Tensor
+    ) -> None:
+        """int4c: write `keys` [kv_heads, sum(counts), head_dim], the fresh part of each layer's keys
+        table in turn (counts[i] entries from a block boundary into `blocks[i]`), and make each
+        layer's partial last block its key tail."""
+        bs, width = self.block_size, keys.shape[-1]
+        padded = []  # each layer's keys, whole blocks' worth: [blocks, bs, kv_heads, head_dim]
+        for part, n in zip(keys.split(counts, dim=1), counts, strict=True):
+            whole = part.new_zeros(part.shape[0], _blocks(n, bs) * bs, width)
+            whole[:, :n] = part
+            padded.append(whole.transpose(0, 1).reshape(-1, bs, part.shape[0], width))
+        staged = torch.cat(padded) if padded else keys.new_zeros(0, bs, keys.shape[0], width)
+        filled = np.concatenate([np.minimum(bs, n - bs * np.arange(_blocks(n, bs))) for n in counts])
+        if len(staged):
+            self._slot_pools[slot][KEYS].write_blocks(
+                self._rows_tensor(blocks), staged, _tensor(filled.astype(np.int64), self.device)
+            )
+        last = np.cumsum([_blocks(n, bs) for n in counts]) - 1
+        tails = [(layer, int(i)) for layer, i, n in zip(layers, last, counts, strict=True) if n % bs]
+        if tails:
+            index = _tensor(np.array([i for _, i in tails]), self.device)
+            self.key_tail[_tensor(np.array([layer for layer, _ in tails]), self.device), slot] = staged[index]
 
     def _copy_meta(self, slot: int, source: ParkedKV, layers: list[int], orders: list[np.ndarray]) -> None:
         """The bookkeeping of `source`'s kept entries (`orders`: per layer, in their new order) into `slot`."""
@@ -745,11 +877,10 @@ class KVStore:
     def _rows_tensor(self, rows: list[np.ndarray]) -> torch.Tensor:
         return _tensor(np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64), self.device)
 
-    def _unref_tables(self, pool: BlockPool, tables: list[list[np.ndarray]]) -> None:
-        for kind, layers in enumerate(tables):
-            target = self.key_only_pool if kind == KEY_ONLY else pool
+    def _unref_tables(self, pools: tuple[BlockPool, ...], tables: list[list[np.ndarray]]) -> None:
+        for pool, layers in zip(pools, tables, strict=True):
             for blocks in layers:
-                target.unref(blocks.tolist())
+                pool.unref(blocks.tolist())
 
 
 class _RebuildPlan(NamedTuple):

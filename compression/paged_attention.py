@@ -6,11 +6,14 @@ or int8/int4 codes with their scales). This interface is what a kernel takes, on
 
 - `pools[i]` holds blocks of one storage format, `data [num_blocks, block_size, kv_heads, width]`
   and, when quantised, `params [num_blocks, block_size, kv_heads, 1 or 2]` (fp16 scale, and
-  minimum at 4 bits; see `compression.quant`). Entry j of a table lives at block
-  `table[j // block_size]`, offset `j % block_size`.
+  minimum at 4 and 2 bits; see `compression.quant`). Entry j of a table lives at block
+  `table[j // block_size]`, offset `j % block_size`. The one exception is `int4c` (keys only, int4
+  per channel, KIVI's): its params are the block's, `[num_blocks, kv_heads, 2, head_dim]` (scale,
+  then minimum, per channel), so an entry is `code * scale[c] + minimum[c]` of its block's head.
 - Per sequence slot, in key order: keys (KEY_ONLY entries first, then FULL), through `key_tables`
-  and `row_pool`'s format; FULL entry j >= num_key_only has its value at j - num_key_only through
-  `value_tables` (same format); KEY_ONLY entry j has its value at j through `key_only_tables`, in
+  in `pools[row_pool]`; FULL entry j >= num_key_only has its value at j - num_key_only through
+  `value_tables` in `pools[row_value_pool]` (the same pool but for `int4c` keys, whose values are
+  per token); KEY_ONLY entry j has its value at j through `key_only_tables`, in
   `pools[key_only_pool]`.
 - GQA: query head h reads KV head h // (heads // kv_heads).
 - Outputs: the attention output, the log-sum-exp of each row's scaled scores (what audits of
@@ -38,14 +41,15 @@ from dataclasses import dataclass
 
 import torch
 
-from compression.quant import Quantized, dequantize
+from compression.quant import Quantized, dequantize, dequantize_channels
 
 log = logging.getLogger(__name__)
 
 KERNEL_EVENT = "conf_kv::decode_attention"  # the kernel's name in torch profiler traces
 # Storage formats as the kernel knows them.
-FORMAT_CODES: dict[str, int] = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, "int4": 4, "int2": 5}
+FORMAT_CODES: dict[str, int] = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, "int4": 4, "int2": 5, "int4c": 6}
 KEY_ONLY_FORMATS = ("int2",)  # formats that hold KEY_ONLY values only, never a sequence's keys
+KEY_FORMATS = ("int4c",)  # formats that hold keys only, never values
 
 
 @dataclass
@@ -61,6 +65,9 @@ class PoolTensors:
         codes = self.data.flatten(0, 1).index_select(0, rows).transpose(0, 1)  # [kv_heads, n, width]
         if self.params is None:
             return codes.to(dtype)
+        if self.format == "int4c":
+            blocks = self.params.index_select(0, rows // self.data.shape[1]).transpose(0, 1)  # [kv_heads, n, 2, D]
+            return dequantize_channels(codes, blocks, dtype)
         p = self.params.flatten(0, 1).index_select(0, rows).transpose(0, 1)
         bits = int(self.format.removeprefix("int"))
         return dequantize(Quantized(codes, p[..., 0], p[..., 1] if bits < 8 else None, bits), dtype)
@@ -73,7 +80,8 @@ class DecodeBatch:
     query: torch.Tensor  # [rows, heads, head_dim] float32
     pools: list[PoolTensors]
     row_slot: torch.Tensor  # [rows] int32: the row's sequence slot (a row of the tables)
-    row_pool: torch.Tensor  # [rows] int32: index in `pools` of the row's keys and FULL values
+    row_pool: torch.Tensor  # [rows] int32: index in `pools` of the row's keys
+    row_value_pool: torch.Tensor  # [rows] int32: index in `pools` of the row's FULL values
     key_only_pool: int  # index in `pools` of KEY_ONLY values
     key_tables: torch.Tensor  # [slots, max_blocks] int32
     value_tables: torch.Tensor  # [slots, max_blocks] int32
@@ -102,10 +110,10 @@ def entry_rows(table: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
 def gather_layer(batch: DecodeBatch, row: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [kv_heads, n, head_dim] of one row's sequence, in key order, dequantised."""
     slot = int(batch.row_slot[row])
-    pool = batch.pools[int(batch.row_pool[row])]
+    key_pool, value_pool = batch.pools[int(batch.row_pool[row])], batch.pools[int(batch.row_value_pool[row])]
     n, n_ko, bs = int(batch.num_keys[slot]), int(batch.num_key_only[slot]), batch.block_size
-    keys = pool.read(entry_rows(batch.key_tables[slot], n, bs), dtype)
-    values = pool.read(entry_rows(batch.value_tables[slot], n - n_ko, bs), dtype)
+    keys = key_pool.read(entry_rows(batch.key_tables[slot], n, bs), dtype)
+    values = value_pool.read(entry_rows(batch.value_tables[slot], n - n_ko, bs), dtype)
     if n_ko:
         ko = batch.pools[batch.key_only_pool].read(entry_rows(batch.key_only_tables[slot], n_ko, bs), dtype)
         values = torch.cat((ko, values), dim=1)
@@ -147,6 +155,7 @@ def kernel_arguments(batch: DecodeBatch) -> tuple:
         [FORMAT_CODES[pool.format] for pool in batch.pools],
         index(batch.row_slot),
         index(batch.row_pool),
+        index(batch.row_value_pool),
         int(batch.key_only_pool),
         index(batch.key_tables),
         index(batch.value_tables),

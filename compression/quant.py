@@ -9,6 +9,10 @@ Keys have outlier channels (KIVI's finding): a few channels set a head vector's 
 quantisation spends its levels on them. `random_rotation` is the orthogonal basis in which quantised keys
 are stored instead: it spreads every channel over all of them, and since the query is turned by the
 same matrix q.k is unchanged, while the entries stay per token (they move between blocks as stored).
+
+`quantize_channels` is KIVI's alternative for keys: int4 per channel over the tokens of a block, a
+scale and minimum per (block, head, channel), so an outlier channel spends only its own range.
+Its parameters belong to a block, not an entry: a block is encoded whole, from exact vectors.
 """
 
 from __future__ import annotations
@@ -66,6 +70,33 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor
     mask = 2**q.bits - 1
     values = torch.cat([(q.codes >> (k * q.bits)) & mask for k in range(8 // q.bits)], dim=-1).to(dtype)
     return values.mul_(q.scale.to(dtype).unsqueeze(-1)).add_(q.minimum.to(dtype).unsqueeze(-1))
+
+
+def quantize_channels(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of vectors x [blocks, block_size, heads, D] as int4 per channel: codes [blocks, block_size,
+    heads, D / 2] (packed as `quantize` packs them) and params [blocks, heads, 2, D] fp16 (scale, then
+    minimum). Only the first `counts[b]` vectors of block b are held (all when None): the range is
+    theirs, and the codes past them are meaningless."""
+    if counts is None:
+        lo, hi = x.amin(dim=1).float(), x.amax(dim=1).float()  # [blocks, heads, D]
+    else:
+        held = (torch.arange(x.shape[1], device=x.device) < counts.to(x.device)[:, None]).view(*x.shape[:2], 1, 1)
+        lo = x.float().masked_fill(~held, math.inf).amin(dim=1)
+        hi = x.float().masked_fill(~held, -math.inf).amax(dim=1)
+        empty = ~torch.isfinite(lo)  # blocks holding nothing
+        lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+    scale = ((hi - lo) / 15).clamp_min(1e-8).to(SCALE_DTYPE)
+    lo = lo.to(SCALE_DTYPE)
+    q = torch.round((x.float() - lo.float().unsqueeze(1)) / scale.float().unsqueeze(1)).clamp_(0, 15).to(torch.uint8)
+    low, high = q.chunk(2, dim=-1)
+    return low | (high << 4), torch.stack((scale, lo), dim=2)
+
+
+def dequantize_channels(codes: torch.Tensor, params: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Vectors [..., D] from int4 codes [..., D / 2] and their blocks' params [..., 2, D] (broadcast
+    to the codes' leading shape): the inverse of `quantize_channels`, entry by entry."""
+    values = torch.cat((codes & 15, codes >> 4), dim=-1).to(dtype)
+    return values.mul_(params[..., 0, :].to(dtype)).add_(params[..., 1, :].to(dtype))
 
 
 def bytes_per_vector(head_dim: int, bits: int) -> int:

@@ -3,10 +3,12 @@
 Same interface and semantics as `decode_attention_reference` (see `compression.paged_attention`).
 One program per (row, KV head) scores every query head of the GQA group against each key loaded
 once, reading entries in place at their storage format and dequantising in registers, with an online
-softmax over tiles of entries. Formats are compile-time constants, so each (row pool, key-only pool)
-pair of formats gets its own specialisation: rows are launched by their pool. The observed
+softmax over tiles of entries. Formats are compile-time constants, so each (key pool, value pool)
+pair of a row gets its own specialisation (with the key-only pool's format): rows are launched by
+that pair. `int4c` keys are read with their block's per-channel scale and minimum. The observed
 probabilities are a second pass over the observed rows once their lse is known, one program per tile
-of entries summing over all heads, so no scores are kept in between.
+of entries summing over all heads, launched by key pool (it reads no values), so no scores are kept
+in between.
 """
 
 from __future__ import annotations
@@ -15,9 +17,16 @@ import torch
 import triton
 import triton.language as tl
 
-from compression.paged_attention import FORMAT_CODES, KEY_ONLY_FORMATS, DecodeBatch, DecodeResult, PoolTensors
+from compression.paged_attention import (
+    FORMAT_CODES,
+    KEY_FORMATS,
+    KEY_ONLY_FORMATS,
+    DecodeBatch,
+    DecodeResult,
+    PoolTensors,
+)
 
-INT8, INT4, INT2 = (tl.constexpr(FORMAT_CODES[name]) for name in ("int8", "int4", "int2"))
+INT8, INT4, INT2, INT4C = (tl.constexpr(FORMAT_CODES[name]) for name in ("int8", "int4", "int2", "int4c"))
 # Elements of the [group, entries, head_dim] products a program holds per tile: bounds registers.
 TILE_ELEMENTS = 8192
 
@@ -37,6 +46,7 @@ def _load_vectors(
     mask,
     kv_head,
     num_params,
+    block_size,
     KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -46,10 +56,17 @@ def _load_vectors(
     d = tl.arange(0, BLOCK_D)
     vector = rows * KV_HEADS + kv_head
     mask2 = mask[:, None] & (d < HEAD_DIM)[None, :]
+    if FORMAT == INT4C:
+        # Params per (block, KV head, channel): [num_blocks, KV_HEADS, 2, HEAD_DIM], scale then minimum.
+        codes = _unpack(data, vector, d, mask2, HEAD_DIM, 4)
+        channels = (((rows // block_size) * KV_HEADS + kv_head) * (2 * HEAD_DIM))[:, None] + d[None, :]
+        scale = tl.load(params + channels, mask=mask2, other=0.0).to(tl.float32)
+        minimum = tl.load(params + channels + HEAD_DIM, mask=mask2, other=0.0).to(tl.float32)
+        return tl.where(mask2, codes * scale + minimum, 0.0)
     if FORMAT == INT4:
-        return _unpack(data, params, vector, d, mask, mask2, num_params, HEAD_DIM, 4)
+        return _dequantize(_unpack(data, vector, d, mask2, HEAD_DIM, 4), params, vector, mask, mask2, num_params)
     if FORMAT == INT2:
-        return _unpack(data, params, vector, d, mask, mask2, num_params, HEAD_DIM, 2)
+        return _dequantize(_unpack(data, vector, d, mask2, HEAD_DIM, 2), params, vector, mask, mask2, num_params)
     x = tl.load(data + vector[:, None] * HEAD_DIM + d[None, :], mask=mask2, other=0).to(tl.float32)
     if FORMAT == INT8:
         scale = tl.load(params + vector * num_params, mask=mask, other=0.0).to(tl.float32)
@@ -58,12 +75,17 @@ def _load_vectors(
 
 
 @triton.jit
-def _unpack(data, params, vector, d, mask, mask2, num_params, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
-    """Packed codes dequantised: bits [k * BITS, (k + 1) * BITS) of byte i are dimension i + k * part."""
+def _unpack(data, vector, d, mask2, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
+    """Packed codes as float32: bits [k * BITS, (k + 1) * BITS) of byte i are dimension i + k * part."""
     part = HEAD_DIM * BITS // 8
     column = d % part
     byte = tl.load(data + vector[:, None] * part + column[None, :], mask=mask2, other=0).to(tl.int32)
-    codes = ((byte >> ((d // part) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+    return ((byte >> ((d // part) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+
+
+@triton.jit
+def _dequantize(codes, params, vector, mask, mask2, num_params):
+    """Per-vector asymmetric codes dequantised with their vector's scale and minimum."""
     scale = tl.load(params + vector * num_params, mask=mask, other=0.0).to(tl.float32)
     minimum = tl.load(params + vector * num_params + 1, mask=mask, other=0.0).to(tl.float32)
     return tl.where(mask2, codes * scale[:, None] + minimum[:, None], 0.0)
@@ -96,7 +118,9 @@ def _scores(
     q_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(query + (row * (KV_HEADS * GROUP) + head)[:, None] * HEAD_DIM + d[None, :], mask=q_mask, other=0.0)
     rows = _entry_rows(key_table, j, valid, block_size)
-    keys = _load_vectors(data, params, rows, valid, kv_head, num_params, KV_HEADS, HEAD_DIM, BLOCK_D, FORMAT)
+    keys = _load_vectors(
+        data, params, rows, valid, kv_head, num_params, block_size, KV_HEADS, HEAD_DIM, BLOCK_D, FORMAT
+    )
     s = tl.sum(q[:, None, :] * keys[None, :, :], axis=2) * scale
     return tl.where(valid[None, :], s, float("-inf"))
 
@@ -119,6 +143,9 @@ def _attend(
     data,
     params,
     num_params,
+    v_data,
+    v_params,
+    v_num_params,
     ko_data,
     ko_params,
     ko_num_params,
@@ -131,9 +158,12 @@ def _attend(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FORMAT: tl.constexpr,
+    V_FORMAT: tl.constexpr,
     KO_FORMAT: tl.constexpr,
 ):
-    """Output and lse of one (row, KV head) pair: an online softmax over tiles of BLOCK_N entries."""
+    """Output and lse of one (row, KV head) pair: an online softmax over tiles of BLOCK_N entries. Keys
+    are read from the key pool (`data`, FORMAT), FULL values from the value pool (`v_data`, V_FORMAT),
+    KEY_ONLY values from the key-only pool (`ko_data`, KO_FORMAT)."""
     row = tl.load(launch_rows + tl.program_id(0)).to(tl.int64)
     kv_head = tl.program_id(1)
     slot = tl.load(row_slot + row).to(tl.int64)
@@ -175,13 +205,33 @@ def _attend(
         full = valid & (j >= n_key_only)
         ko_rows = _entry_rows(key_only_tables + slot * key_only_stride, j, key_only, block_size)
         full_rows = _entry_rows(value_tables + slot * value_stride, j - n_key_only, full, block_size)
-        values = tl.where(
-            key_only[:, None],
-            _load_vectors(
-                ko_data, ko_params, ko_rows, key_only, kv_head, ko_num_params, KV_HEADS, HEAD_DIM, BLOCK_D, KO_FORMAT
-            ),
-            _load_vectors(data, params, full_rows, full, kv_head, num_params, KV_HEADS, HEAD_DIM, BLOCK_D, FORMAT),
+        ko_values = _load_vectors(
+            ko_data,
+            ko_params,
+            ko_rows,
+            key_only,
+            kv_head,
+            ko_num_params,
+            block_size,
+            KV_HEADS,
+            HEAD_DIM,
+            BLOCK_D,
+            KO_FORMAT,
         )
+        full_values = _load_vectors(
+            v_data,
+            v_params,
+            full_rows,
+            full,
+            kv_head,
+            v_num_params,
+            block_size,
+            KV_HEADS,
+            HEAD_DIM,
+            BLOCK_D,
+            V_FORMAT,
+        )
+        values = tl.where(key_only[:, None], ko_values, full_values)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * values[None, :, :], axis=1)
         m = m_new
     # A sequence with no entries: zeros and -inf.
@@ -253,43 +303,65 @@ def _observe(
 
 
 def _pool_arguments(pool: PoolTensors) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-    """A pool as kernel arguments: its data, its params (None for float formats) and params per vector."""
+    """A pool as kernel arguments: its data, its params (None for float formats) and params per vector
+    (0 where there are none per vector: float formats, and `int4c`, whose params the kernel addresses
+    by block, KV head and channel)."""
     if pool.params is None:
         return pool.data.contiguous(), None, 0
+    if pool.format == "int4c":
+        return pool.data.contiguous(), pool.params.contiguous(), 0
     return pool.data.contiguous(), pool.params.contiguous(), pool.params.shape[-1]
 
 
-def _rows_on_host(batch: DecodeBatch) -> tuple[list[int], list[int], list[int]]:
-    """Each row's pool, observe index and entries, fetched in one copy, once checked: the kernels do
-    no bounds checks, so what would make them read outside their tensors raises here."""
-    slots, pools, bs = batch.num_keys.shape[0], len(batch.pools), batch.block_size
+def _rows_on_host(batch: DecodeBatch) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Each row's key pool, value pool, observe index and entries, fetched in one copy, once checked: the
+    kernels do no bounds checks, so what would make them read outside their tensors raises here."""
+    rows, slots, pools, bs = batch.query.shape[0], batch.num_keys.shape[0], len(batch.pools), batch.block_size
     if not 0 <= batch.key_only_pool < pools:
         raise IndexError(f"key_only_pool {batch.key_only_pool} is out of range")
+    if any(t.shape != (rows,) for t in (batch.row_slot, batch.row_pool, batch.row_value_pool, batch.observe_index)):
+        raise ValueError(f"row_slot, row_pool, row_value_pool and observe_index must hold one entry per row ({rows})")
     device = batch.query.device
     slot = batch.row_slot.long().clamp(0, slots - 1)
-    pool = batch.row_pool.long().clamp(0, pools - 1)
+    key_pool = batch.row_pool.long().clamp(0, pools - 1)
+    value_pool = batch.row_value_pool.long().clamp(0, pools - 1)
     n, n_ko = batch.num_keys[slot].long(), batch.num_key_only[slot].long()
     limit = torch.tensor([p.data.shape[0] for p in batch.pools], device=device)
     bad = (n_ko < 0) | (n_ko > n)
     for table, entries, blocks in (
-        (batch.key_tables, n, limit[pool]),
-        (batch.value_tables, n - n_ko, limit[pool]),
+        (batch.key_tables, n, limit[key_pool]),
+        (batch.value_tables, n - n_ko, limit[value_pool]),
         (batch.key_only_tables, n_ko, limit[batch.key_only_pool].expand_as(n)),
     ):
         used = (entries + bs - 1) // bs
         needed = torch.arange(table.shape[1], device=device) < used[:, None]
         held = table[slot].long()
         bad |= (used > table.shape[1]) | (needed & ((held < 0) | (held >= blocks[:, None]))).any(1)
-    columns = (batch.row_slot.long(), batch.row_pool.long(), batch.observe_index.long(), n, bad.long())
-    row_slot, row_pool, observe, entries, bad_rows = torch.stack(columns).tolist()
-    if any(not 0 <= s < slots for s in row_slot) or any(not 0 <= p < pools for p in row_pool):
-        raise IndexError("a row's slot or pool is out of range")
+    columns = (batch.row_slot, batch.row_pool, batch.row_value_pool, batch.observe_index, n, bad)
+    row_slot, row_pool, row_value_pool, observe, entries, bad_rows = torch.stack([c.long() for c in columns]).tolist()
+    if any(not 0 <= s < slots for s in row_slot):
+        raise IndexError("a row's slot is out of range")
+    if any(not 0 <= p < pools for p in row_pool + row_value_pool):
+        raise IndexError("a row's key pool or value pool is out of range")
     if any(bad_rows):
         raise IndexError("a row's entry counts or block tables do not fit its tables or pools")
     taken = [o for o in observe if o >= 0]
     if len(set(taken)) != len(taken) or any(o >= batch.num_observed for o in taken):
         raise ValueError("observe_index must name distinct rows of `observed`, below num_observed")
-    return row_pool, observe, entries
+    return row_pool, row_value_pool, observe, entries
+
+
+def _check_formats(batch: DecodeBatch, pairs: list[tuple[int, int]]) -> None:
+    """Each pool holds what its format can: no keys in a KEY_ONLY-values format, no values in a keys-only one."""
+    key_only = batch.pools[batch.key_only_pool].format
+    if key_only in KEY_FORMATS:
+        raise ValueError(f"{key_only} holds keys only, not KEY_ONLY values (key_only_pool {batch.key_only_pool})")
+    for key_pool, value_pool in pairs:
+        keys, values = batch.pools[key_pool].format, batch.pools[value_pool].format
+        if keys in KEY_ONLY_FORMATS:
+            raise ValueError(f"{keys} holds KEY_ONLY values only, not a row's keys (pool {key_pool})")
+        if values in KEY_FORMATS:
+            raise ValueError(f"{values} holds keys only, not a row's values (pool {value_pool})")
 
 
 def decode_attention_triton(batch: DecodeBatch) -> DecodeResult:
@@ -306,7 +378,9 @@ def decode_attention_triton(batch: DecodeBatch) -> DecodeResult:
     if rows == 0:
         return DecodeResult(out, lse, torch.zeros(batch.num_observed, 0, device=device))
     # The launches depend on the rows' pools and the observed width: one small copy to the host.
-    row_pool, observe, entries = _rows_on_host(batch)
+    row_pool, row_value_pool, observe, entries = _rows_on_host(batch)
+    pairs = sorted(set(zip(row_pool, row_value_pool, strict=True)))
+    _check_formats(batch, pairs)
     width = max((entries[r] for r in range(rows) if observe[r] >= 0), default=0)
     observed = torch.zeros(batch.num_observed, width, dtype=torch.float32, device=device)
 
@@ -323,12 +397,10 @@ def decode_attention_triton(batch: DecodeBatch) -> DecodeResult:
     shape = dict(
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n
     )
-    for p in sorted(set(row_pool)):
-        if batch.pools[p].format in KEY_ONLY_FORMATS:
-            raise ValueError(f"{batch.pools[p].format} holds KEY_ONLY values only, not a row's keys")
-        served = [r for r in range(rows) if row_pool[r] == p]
-        data, params, num_params = _pool_arguments(batch.pools[p])
-        fmt = FORMAT_CODES[batch.pools[p].format]
+    for key_pool, value_pool in pairs:
+        served = [r for r in range(rows) if (row_pool[r], row_value_pool[r]) == (key_pool, value_pool)]
+        data, params, num_params = _pool_arguments(batch.pools[key_pool])
+        v_data, v_params, v_num_params = _pool_arguments(batch.pools[value_pool])
         _attend[(len(served), kv_heads)](
             query,
             out,
@@ -346,34 +418,42 @@ def decode_attention_triton(batch: DecodeBatch) -> DecodeResult:
             data,
             params,
             num_params,
+            v_data,
+            v_params,
+            v_num_params,
             ko_data,
             ko_params,
             ko_num_params,
             batch.block_size,
             batch.scale,
-            FORMAT=fmt,
+            FORMAT=FORMAT_CODES[batch.pools[key_pool].format],
+            V_FORMAT=FORMAT_CODES[batch.pools[value_pool].format],
             KO_FORMAT=FORMAT_CODES[batch.pools[batch.key_only_pool].format],
             **shape,
         )
-        watched = [r for r in served if observe[r] >= 0 and entries[r] > 0]  # an empty row's stay zero
-        if watched:
-            _observe[(len(watched), triton.cdiv(width, block_n))](
-                query,
-                lse,
-                observed,
-                width,
-                torch.tensor(watched, dtype=torch.int32, device=device),
-                observe_index,
-                row_slot,
-                num_keys,
-                key_tables,
-                key_tables.shape[1],
-                data,
-                params,
-                num_params,
-                batch.block_size,
-                batch.scale,
-                FORMAT=fmt,
-                **shape,
-            )
+    # The observed probabilities read keys only: one launch per key pool, after every row's lse.
+    for key_pool in sorted(set(row_pool)):
+        watched = [r for r in range(rows) if row_pool[r] == key_pool and observe[r] >= 0 and entries[r] > 0]
+        if not watched:  # an empty row's stay zero
+            continue
+        data, params, num_params = _pool_arguments(batch.pools[key_pool])
+        _observe[(len(watched), triton.cdiv(width, block_n))](
+            query,
+            lse,
+            observed,
+            width,
+            torch.tensor(watched, dtype=torch.int32, device=device),
+            observe_index,
+            row_slot,
+            num_keys,
+            key_tables,
+            key_tables.shape[1],
+            data,
+            params,
+            num_params,
+            batch.block_size,
+            batch.scale,
+            FORMAT=FORMAT_CODES[batch.pools[key_pool].format],
+            **shape,
+        )
     return DecodeResult(out, lse, observed)

@@ -20,8 +20,15 @@ from app.sequence import SamplingParams
 from compression.attention import Segment
 from compression.config import CompressionConfig
 from compression.kv_store import KVStore
-from compression.paged_attention import FORMAT_CODES, KEY_ONLY_FORMATS, DecodeBatch, DecodeResult, PoolTensors
-from compression.quant import quantize
+from compression.paged_attention import (
+    FORMAT_CODES,
+    KEY_FORMATS,
+    KEY_ONLY_FORMATS,
+    DecodeBatch,
+    DecodeResult,
+    PoolTensors,
+)
+from compression.quant import quantize, quantize_channels
 from load_tests.monitoring import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -166,8 +173,9 @@ class LiveServer:
         self._log.close()
 
 
-FORMATS = [f for f in FORMAT_CODES if f not in KEY_ONLY_FORMATS]  # of keys and FULL values
-KEY_ONLY_VALUE_FORMATS = list(FORMAT_CODES)
+KEY_STORAGE_FORMATS = [f for f in FORMAT_CODES if f not in KEY_ONLY_FORMATS]  # of keys
+FORMATS = [f for f in KEY_STORAGE_FORMATS if f not in KEY_FORMATS]  # of keys and FULL values
+KEY_ONLY_VALUE_FORMATS = [f for f in FORMAT_CODES if f not in KEY_FORMATS]
 
 
 def make_pool(fmt: str, num_blocks: int, kv_heads: int, block_size: int, head_dim: int, gen: torch.Generator):
@@ -178,6 +186,8 @@ def make_pool(fmt: str, num_blocks: int, kv_heads: int, block_size: int, head_di
     x = x + torch.randn(num_blocks, block_size, kv_heads, 1, generator=gen) * 0.5
     if fmt in ("float32", "float16", "bfloat16"):
         return PoolTensors(x.to(getattr(torch, fmt)), None, fmt)
+    if fmt == "int4c":
+        return PoolTensors(*quantize_channels(x), fmt)
     q = quantize(x, int(fmt.removeprefix("int")))
     params = q.scale.unsqueeze(-1) if fmt == "int8" else torch.stack((q.scale, q.minimum), dim=-1)
     return PoolTensors(q.codes, params, fmt)
@@ -191,9 +201,11 @@ def batches(draw: st.DrawFn, max_keys: int = 300) -> DecodeBatch:
     head_dim = draw(st.sampled_from([4, 16, 64]))
     rows = draw(st.integers(1, 4))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
-    formats = draw(st.lists(st.sampled_from(FORMATS), min_size=1, max_size=3))
+    # Key pools, then a pool of per-token values for the rows whose key format holds no values.
+    formats = draw(st.lists(st.sampled_from(KEY_STORAGE_FORMATS), min_size=1, max_size=3))
+    value_format = draw(st.sampled_from(FORMATS))
     key_only_format = draw(st.sampled_from(KEY_ONLY_VALUE_FORMATS))
-    pool_formats = [*formats, key_only_format]
+    pool_formats = [*formats, value_format, key_only_format]
     blocks = [draw(st.integers(1, 40)) for _ in pool_formats]
     pools = [make_pool(f, n, kv_heads, block_size, head_dim, gen) for f, n in zip(pool_formats, blocks, strict=True)]
     key_only_pool = len(pools) - 1
@@ -202,8 +214,12 @@ def batches(draw: st.DrawFn, max_keys: int = 300) -> DecodeBatch:
     slots = rows + draw(st.integers(0, 2))
     row_slot = torch.randperm(slots, generator=gen)[:rows].int()
     row_pool = torch.tensor([draw(st.integers(0, len(formats) - 1)) for _ in range(rows)], dtype=torch.int32)
+    row_value_pool = torch.tensor([len(formats) if formats[p] in KEY_FORMATS else p for p in row_pool.tolist()])
+    row_value_pool = row_value_pool.int()
     slot_pool = torch.zeros(slots, dtype=torch.long)
     slot_pool[row_slot.long()] = row_pool.long()
+    slot_value_pool = torch.full((slots,), len(formats), dtype=torch.long)
+    slot_value_pool[row_slot.long()] = row_value_pool.long()
     num_keys = torch.tensor([draw(st.integers(1, max_keys)) for _ in range(slots)], dtype=torch.int32)
     num_key_only = torch.tensor([draw(st.integers(0, int(n))) for n in num_keys], dtype=torch.int32)
     max_blocks = -(-max_keys // block_size) + draw(st.integers(0, 2))
@@ -221,7 +237,7 @@ def batches(draw: st.DrawFn, max_keys: int = 300) -> DecodeBatch:
         return t
 
     key_tables = trim(tables(slot_pool.tolist()), num_keys)
-    value_tables = trim(tables(slot_pool.tolist()), num_keys - num_key_only)
+    value_tables = trim(tables(slot_value_pool.tolist()), num_keys - num_key_only)
     key_only_tables = trim(tables([key_only_pool] * slots), num_key_only)
 
     observe = draw(st.lists(st.booleans(), min_size=rows, max_size=rows))
@@ -234,6 +250,7 @@ def batches(draw: st.DrawFn, max_keys: int = 300) -> DecodeBatch:
         pools=pools,
         row_slot=row_slot,
         row_pool=row_pool,
+        row_value_pool=row_value_pool,
         key_only_pool=key_only_pool,
         key_tables=key_tables,
         value_tables=value_tables,
@@ -271,6 +288,7 @@ def small_batch(
         pools=pools,
         row_slot=torch.arange(rows, dtype=torch.int32),
         row_pool=torch.zeros(rows, dtype=torch.int32),
+        row_value_pool=torch.zeros(rows, dtype=torch.int32),
         key_only_pool=len(pools) - 1,
         key_tables=table,
         value_tables=table.flip(1).contiguous(),

@@ -43,7 +43,9 @@ def slack_bytes(engine, interval: int) -> int:
 
 
 @pytest.mark.parametrize("policy", EVICTING)
-@pytest.mark.parametrize(("rate", "storage"), [(0.6, "auto"), (0.75, "auto"), (0.75, "int8"), (0.9, "int8")])
+@pytest.mark.parametrize(
+    ("rate", "storage"), [(0.6, "auto"), (0.75, "auto"), (0.75, "int8"), (0.9, "int8"), (0.9, "kivi4")]
+)
 def test_every_policy_respects_the_compression_rate(model, tokenizer, policy, rate, storage):
     engine = make_engine(model, tokenizer, compression=SETTINGS)
     sizes = []  # held and uncompressed bytes right after each compression
@@ -135,13 +137,15 @@ def test_mixed_policies_in_one_batch_match_each_alone(model, tokenizer):
     assert engine.store.used_bytes == 0
 
 
-@pytest.mark.parametrize("storage", ["float16", "int8", "int4"])
+@pytest.mark.parametrize("storage", ["float16", "int8", "int4", "kivi4"])
 def test_storage_precision_counts_as_compression(model, tokenizer, storage):
     engine = make_engine(model, tokenizer, compression=SETTINGS)
     metrics = run_one(engine, prompt(tokenizer, 200), "none", 0.0, kv_cache_dtype=storage)[-1].compression_metrics
     d = engine.store.head_dim
     # Codes plus fp16 parameters per head vector (scale; scale and minimum at 4 bits), against fp32.
-    share = {"float16": 0.5, "int8": (d + 2) / (4 * d), "int4": (d / 2 + 4) / (4 * d)}[storage]
+    # kivi4: int4 keys with a scale and minimum per channel per block, int4 values per token.
+    kivi4 = (d / 2 + 4 * d / BLOCK_SIZE + d / 2 + 4) / (8 * d)
+    share = {"float16": 0.5, "int8": (d + 2) / (4 * d), "int4": (d / 2 + 4) / (4 * d), "kivi4": kivi4}[storage]
     # Held bytes include the buffers' growth slack (at most an eighth).
     assert share <= metrics["compression_ratio"] <= share * 1.15
 

@@ -30,6 +30,7 @@ from compression.attention import Segment
 from compression.kv_store import BLOCK_SIZE, KVStore
 from compression.paged_attention import (
     FORMAT_CODES,
+    KEY_FORMATS,
     DecodeBatch,
     PoolTensors,
     decode_attention,
@@ -85,6 +86,9 @@ def real_batch(config, key_only_format: str, gen: torch.Generator) -> DecodeBatc
             t[slot, -(-n // BLOCK_SIZE) :] = -1
         return t
 
+    def value_pool(key_format: str) -> int:
+        return formats.index("int4" if key_format in KEY_FORMATS else key_format)
+
     observed = rows[::2]
     observe_index = torch.full((ROWS,), -1, dtype=torch.int32)
     observe_index[observed] = torch.arange(len(observed) - 1, -1, -1, dtype=torch.int32)
@@ -93,6 +97,8 @@ def real_batch(config, key_only_format: str, gen: torch.Generator) -> DecodeBatc
         pools=pools,
         row_slot=torch.randperm(ROWS, generator=gen).int(),
         row_pool=(rows % len(formats)).int(),
+        # int4c holds keys only: those rows' values are per-token int4.
+        row_value_pool=torch.tensor([value_pool(formats[r % len(formats)]) for r in rows.tolist()]).int(),
         key_only_pool=len(pools) - 1,
         key_tables=table(num_keys),
         value_tables=table(num_keys - num_key_only),

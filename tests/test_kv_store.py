@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compression.attention import Segment
-from compression.kv_store import BLOCK_SIZE, KEY_ONLY, Keep, KVBudgetExceeded, KVStore, ParkedKV
-from compression.paged_attention import decode_attention_reference
+from compression.kv_store import BLOCK_SIZE, Keep, KVBudgetExceeded, KVStore, ParkedKV
+from compression.paged_attention import decode_attention, decode_attention_reference
 from compression.quant import random_rotation
 from tests.helpers import fill_store as fill
 
@@ -27,14 +27,14 @@ def check_references(store: KVStore, parked: list[ParkedKV] = ()) -> None:
     """Every block's reference count is the number of tables (running or parked) that hold it, and
     the account is the blocks in use and the parked caches' bookkeeping."""
     expected = {name: Counter() for name in store.pools}
-    for slot, pool in store._slot_pool.items():
-        for kind in range(3):
-            name = store.key_only_pool.codec.name if kind == KEY_ONLY else pool.codec.name
+    for slot, pools in store._slot_pools.items():
+        for kind, pool in enumerate(pools):
             for layer in range(store.num_layers):
-                expected[name].update(store.tables[kind, layer, slot, : store.num_blocks[kind, layer, slot]].tolist())
+                held = store.tables[kind, layer, slot, : store.num_blocks[kind, layer, slot]]
+                expected[pool.codec.name].update(held.tolist())
     for cache in parked:
-        for kind, layers in enumerate(cache.tables):
-            name = store.key_only_pool.codec.name if kind == KEY_ONLY else cache.codec.name
+        names = (cache.codec.name, cache.codec.values.name, store.key_only_pool.codec.name)
+        for name, layers in zip(names, cache.tables, strict=True):
             for blocks in layers:
                 expected[name].update(blocks.tolist())
     used = 0
@@ -156,9 +156,9 @@ ops = st.lists(
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=ops, budget_tokens=st.integers(16, 600))
-def test_accounting_matches_references_and_budget(ops, budget_tokens):
-    store = make_store(max_bytes=budget_tokens * make_store().entry_bytes()[0], storage="int8")
+@given(ops=ops, budget_tokens=st.integers(16, 600), storage=st.sampled_from(["int8", "kivi4"]))
+def test_accounting_matches_references_and_budget(ops, budget_tokens, storage):
+    store = make_store(max_bytes=budget_tokens * make_store().entry_bytes()[0], storage=storage)
     parked: list[ParkedKV] = []
     for op, seq_id, n in ops:
         if op == "grow":
@@ -326,3 +326,109 @@ def test_a_rotated_key_comes_back_within_half_a_level_per_channel_of_its_turned_
     half_level = span / levels / 2
     error = (store.view(1, 0).keys - keys).norm(dim=-1)
     assert (error <= 64**0.5 * half_level * 1.01 + 1e-3 * turned.abs().amax(-1)).all()
+
+
+# ----- int4c keys (storage kivi4) ---------------------------------------------------------------
+
+
+def block_half_levels(keys: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """Half an int4 level of each key's block and channel range: keys [heads, n, D] -> [heads, n, D]."""
+    heads, n, dim = keys.shape
+    padded = torch.cat((keys, keys[:, -1:].expand(heads, -n % block_size, dim)), dim=1)
+    blocks = padded.view(heads, -1, block_size, dim)
+    span = (blocks.amax(2) - blocks.amin(2)) / 15 / 2
+    return span.repeat_interleave(block_size, dim=1)[:, :n]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    chunks=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+    outlier=st.floats(1.0, 100.0),
+)
+def test_kivi4_keys_come_back_within_half_a_level_of_their_blocks_channel_range(seed, chunks, outlier):
+    """Written in chunks (a prefill, then appends into a partial block, beside an int8 sequence in the
+    same steps), every key comes back within half a level of its own block's range in each channel:
+    a block is encoded from exact keys, never from keys already rounded."""
+    generator = torch.Generator().manual_seed(seed)
+    n = sum(chunks)
+    keys = torch.randn(2, 2, n, 64, generator=generator) + torch.randn(64, generator=generator) * 3
+    keys[..., 5] *= outlier
+    values = torch.randn(2, 2, n, 64, generator=generator)
+    store = KVStore(2, 2, 64, 10**8, storage="kivi4")
+    store.set_storage(2, "int8")
+    start = 0
+    for size in chunks:
+        store.reserve(1, size)
+        store.reserve(2, 1)
+        plan = store.begin_step(
+            [Segment(1, 0, size), Segment(2, size, size + 1)], torch.arange(start, start + size + 1)
+        )
+        for layer in range(2):
+            new = slice(start, start + size)
+            other = torch.zeros(2, 1, 64)
+            store.write(
+                layer, plan, torch.cat((keys[layer, :, new], other), 1), torch.cat((values[layer, :, new], other), 1)
+            )
+        start += size
+    for layer in range(2):
+        view = store.view(1, layer)
+        bound = block_half_levels(keys[layer]) * 1.01 + 2e-3 * keys[layer].abs().amax()
+        assert ((view.keys - keys[layer]).abs() <= bound).all()
+        span = values[layer].amax(-1, keepdim=True) - values[layer].amin(-1, keepdim=True)
+        assert ((view.values - values[layer]).abs() <= span / 15 / 2 * 1.01 + 1e-3).all()
+    assert store.pools["int4c"].codec.per_channel and store.seq_length(2) == len(chunks)
+    check_references(store)
+
+
+def test_kivi4_compaction_and_adoption_keep_their_keys_within_two_roundings():
+    """Compaction re-encodes the keys it moves from their stored values: one more rounding at most. An
+    adopter of a parked kivi4 cache reads the same keys and writes on after them."""
+    generator = torch.Generator().manual_seed(3)
+    keys = torch.randn(2, 50, 64, generator=generator) * torch.linspace(0.1, 5.0, 64)
+    store = KVStore(1, 2, 64, 10**8, storage="kivi4")
+    fill(store, 1, 50, keys=lambda layer: keys)
+    before = store.used_bytes
+    kept = torch.tensor([i for i in range(50) if i % 3])
+    freed = store.retier(1, {0: Keep(full=kept, key_only=torch.tensor([0, 3]))})
+    assert freed > 0 and store.used_bytes == before - freed
+    order = torch.cat((torch.tensor([0, 3]), kept))
+    first = block_half_levels(keys)[:, order]
+    second = block_half_levels(store.view(1, 0).keys)
+    error = (store.view(1, 0).keys - keys[:, order]).abs()
+    assert (error <= (first + second) * 1.01 + 1e-3).all()
+    check_references(store)
+
+    parked = store.park(1)
+    store.adopt(2, parked, 50)
+    adopted = store.view(2, 0).keys
+    assert torch.allclose(adopted, keys[:, order], atol=float((first + block_half_levels(adopted)).max()) * 1.1)
+    more = torch.randn(2, 5, 64, generator=generator)
+    fill(store, 2, 5, start=50, keys=lambda layer: more)
+    assert torch.allclose(store.view(2, 0).keys[:, : len(order)], adopted, atol=float(first.max()) * 2.5)
+    check_references(store, [parked])
+    store.free(2)
+    store.discard(parked)
+    assert store.used_bytes == 0
+
+
+def test_kivi4_decode_attention_agrees_with_the_view_beside_an_int8_sequence():
+    """The decode kernel reads int4c keys and their int4 values in place: the same attention as over
+    the dequantised view, in a batch that mixes a kivi4 sequence with an int8 one."""
+    store = KVStore(2, 2, 64, 10**8, storage="kivi4")
+    store.set_storage(2, "int8")
+    generator = torch.Generator().manual_seed(5)
+    for seq_id, n in ((1, 37), (2, 21)):
+        keys = torch.randn(2, n, 64, generator=generator) * torch.linspace(0.1, 5.0, 64)
+        fill(store, seq_id, n, keys=lambda layer, keys=keys: keys)
+    query = torch.randn(2, 4, 64, generator=generator)
+    store.reserve(1, 1)
+    store.reserve(2, 1)
+    plan = store.begin_step([Segment(1, 0, 1), Segment(2, 1, 2)], torch.tensor([37, 21]))
+    new = torch.randn(2, 2, 64, generator=generator)
+    store.write(0, plan, new, -new)
+    result = decode_attention(store.decode_batch(0, plan, query, 0.125))
+    for row, seq_id in enumerate((1, 2)):
+        view = store.view(seq_id, 0)
+        probs = (query[row].view(2, 2, 64) @ view.keys.transpose(1, 2) * 0.125).softmax(-1)
+        assert torch.allclose(result.out[row], (probs @ view.values).view(4, 64), atol=1e-4)

@@ -77,6 +77,7 @@ def only_row(batch: DecodeBatch, row: int) -> DecodeBatch:
         query=batch.query[row : row + 1],
         row_slot=batch.row_slot[row : row + 1],
         row_pool=batch.row_pool[row : row + 1],
+        row_value_pool=batch.row_value_pool[row : row + 1],
         observe_index=torch.tensor([0 if observed else -1], dtype=torch.int32),
         num_observed=int(observed),
     )
@@ -121,6 +122,18 @@ def test_kernel_refuses_int2_keys_and_reads_int2_key_only_values(kernel) -> None
     with pytest.raises(RuntimeError, match="KEY_ONLY values only"):
         run_kernel(kernel, small_batch([5, 5], [2, 0], fmt="int2"))
     batch = small_batch([7, 13, 30], [0, 13, 11], fmt="int4", key_only_fmt="int2")
+    assert_matches(run_kernel(kernel, batch), decode_attention_reference(batch))
+
+
+@needs_compiler
+def test_kernel_refuses_int4c_values_and_reads_int4c_keys_beside_their_values(kernel) -> None:
+    # Pools [int4c, int4]: rows' keys in int4c, their FULL values (and the KEY_ONLY ones) in the int4 pool.
+    batch = small_batch([7, 13, 30], [0, 13, 11], fmt="int4c", key_only_fmt="int4")
+    with pytest.raises(RuntimeError, match="value pool 0 is int4c, which holds keys only"):
+        run_kernel(kernel, batch)
+    with pytest.raises(RuntimeError, match="key_only_pool 0 is int4c, which holds keys only"):
+        run_kernel(kernel, dataclasses.replace(batch, row_value_pool=torch.ones(3, dtype=torch.int32), key_only_pool=0))
+    batch = dataclasses.replace(batch, row_value_pool=torch.ones(3, dtype=torch.int32))
     assert_matches(run_kernel(kernel, batch), decode_attention_reference(batch))
 
 

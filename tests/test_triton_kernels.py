@@ -77,6 +77,67 @@ def test_int2_holds_key_only_values_and_never_keys() -> None:
         triton_attention.decode_attention_triton(small_batch([5, 5], [2, 0], fmt="int2"))
 
 
+def int4c_keys(value_fmt: str, key_only_fmt: str = "int2") -> DecodeBatch:
+    """small_batch's rows with int4c keys (pool 0), their FULL values in a `value_fmt` pool (1) and
+    KEY_ONLY values in a `key_only_fmt` pool (2)."""
+    keys = small_batch([7, 13, 30], [0, 13, 11], fmt="int4c", key_only_fmt=key_only_fmt)
+    values = small_batch([7, 13, 30], [0, 13, 11], fmt=value_fmt).pools[0]
+    return dataclasses.replace(
+        keys,
+        pools=[keys.pools[0], values, keys.pools[1]],
+        row_value_pool=torch.ones(3, dtype=torch.int32),
+        key_only_pool=2,
+    )
+
+
+@pytest.mark.parametrize("value_fmt", FORMATS)
+def test_int4c_keys_with_values_in_another_pool(value_fmt: str) -> None:
+    batch = int4c_keys(value_fmt)
+    assert_matches(triton_attention.decode_attention_triton(batch), decode_attention_reference(batch))
+
+
+def test_rows_of_one_key_pool_with_different_value_pools() -> None:
+    # Rows 0 and 1 read their values from pool 1, row 2 (19 FULL entries) from pool 3: two launches
+    # share the key pool.
+    batch = int4c_keys("int8")
+    batch = dataclasses.replace(
+        batch,
+        pools=[*batch.pools, small_batch([1, 1, 1], [0, 0, 0], fmt="float16").pools[0]],
+        row_value_pool=torch.tensor([1, 1, 3], dtype=torch.int32),
+    )
+    assert_matches(triton_attention.decode_attention_triton(batch), decode_attention_reference(batch))
+
+
+def test_int4c_holds_keys_and_never_values() -> None:
+    # As FULL values: small_batch's rows read their values from their key pool.
+    with pytest.raises(ValueError, match="keys only, not a row's values"):
+        triton_attention.decode_attention_triton(small_batch([5, 5], [2, 0], fmt="int4c", key_only_fmt="int8"))
+    with pytest.raises(ValueError, match="keys only, not a row's values"):
+        triton_attention.decode_attention_triton(
+            dataclasses.replace(int4c_keys("int8"), row_value_pool=torch.zeros(3, dtype=torch.int32))
+        )
+    # As KEY_ONLY values, even of rows whose keys and values are elsewhere.
+    with pytest.raises(ValueError, match="keys only, not KEY_ONLY values"):
+        triton_attention.decode_attention_triton(small_batch([5, 5], [2, 0], fmt="int8", key_only_fmt="int4c"))
+    with pytest.raises(ValueError, match="keys only, not KEY_ONLY values"):
+        triton_attention.decode_attention_triton(dataclasses.replace(int4c_keys("int8"), key_only_pool=0))
+
+
+def test_value_tables_are_checked_against_the_value_pool() -> None:
+    batch = int4c_keys("int8")
+    with pytest.raises(IndexError, match="value pool is out of range"):
+        triton_attention.decode_attention_triton(
+            dataclasses.replace(batch, row_value_pool=torch.tensor([1, 3, 1], dtype=torch.int32))
+        )
+    # Row 0's value table names blocks 7 and 6: inside the key pool, outside a value pool of 4 blocks.
+    values = batch.pools[1]
+    small = dataclasses.replace(values, data=values.data[:4], params=values.params[:4])
+    with pytest.raises(IndexError, match="block tables"):
+        triton_attention.decode_attention_triton(
+            dataclasses.replace(batch, pools=[batch.pools[0], small, batch.pools[2]])
+        )
+
+
 def test_empty_sequence_gives_zeros_and_minus_infinity() -> None:
     batch = small_batch([0, 5], [0, 2])
     result = triton_attention.decode_attention_triton(batch)

@@ -3,7 +3,8 @@
 // compression/paged_attention.py. Work items are spans of kSpan entries of a (row, KV head) pair: each
 // reads its entries in place at their storage format, scores all query heads of the group against each
 // key vector loaded (and decoded) once, and keeps an online softmax over tiles of entries; the spans of
-// a pair are then merged.
+// a pair are then merged. A row's keys and FULL values may lie in different pools (int4c keys hold no
+// values): values in the keys' format are compiled with them, other pairings dispatched per tile.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -27,7 +28,9 @@
 
 namespace {
 
-enum Format : int64_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt8 = 3, kInt4 = 4, kInt2 = 5 };
+enum Format : int64_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt8 = 3, kInt4 = 4, kInt2 = 5, kInt4c = 6 };
+// As a template argument: the pool's format, dispatched per tile instead of compiled in.
+constexpr int64_t kAnyFormat = -1;
 
 constexpr int64_t kTile = 64;  // entries scored per online-softmax step
 // Entries per work item. Splitting long sequences keeps every thread busy when a batch has few rows; the
@@ -85,7 +88,9 @@ CONFKV_INLINE float exp_nonpositive(float x) {
 
 struct Pool {
   const uint8_t* data = nullptr;
-  const uint16_t* params = nullptr;  // fp16 bits: scale (and minimum at 4 bits)
+  // fp16 bits: per entry, scale (and minimum at 4 and 2 bits); for int4c, per (block, KV head), the
+  // scales of the channels then their minimums.
+  const uint16_t* params = nullptr;
   int64_t format = kFloat32;
   int64_t num_blocks = 0;
   int64_t kv_heads = 0;
@@ -98,13 +103,14 @@ constexpr int64_t entry_bytes(int64_t dim) {
   if constexpr (F == kFloat32) return dim * 4;
   if constexpr (F == kFloat16 || F == kBFloat16) return dim * 2;
   if constexpr (F == kInt8) return dim;
-  if constexpr (F == kInt4) return dim / 2;
+  if constexpr (F == kInt4 || F == kInt4c) return dim / 2;
   return dim / 4;
 }
 
-// The vector of entry `e` as float32: a pointer into the pool for float32, else decoded into `buf`.
+// The vector of entry `e` as float32: a pointer into the pool for float32, else decoded into `buf`. For int4c,
+// `channels` holds its block's params for its head, decoded: the scales [dim], then the minimums [dim].
 template <int64_t F>
-CONFKV_INLINE const float* load(const Pool& pool, int64_t e, int64_t dim, float* buf) {
+CONFKV_INLINE const float* load(const Pool& pool, int64_t e, int64_t dim, float* buf, const float* channels) {
   if constexpr (F == kFloat32) {
     return reinterpret_cast<const float*>(pool.data) + e * dim;
   } else if constexpr (F == kFloat16) {
@@ -131,7 +137,19 @@ CONFKV_INLINE const float* load(const Pool& pool, int64_t e, int64_t dim, float*
       buf[i] = static_cast<float>(src[i] & 0x0f) * scale + minimum;
       buf[i + half] = static_cast<float>(src[i] >> 4) * scale + minimum;
     }
+  } else if constexpr (F == kInt4c) {
+    // Packed as int4; the scale and minimum are the channel's.
+    const int64_t half = dim / 2;
+    const uint8_t* src = pool.data + e * half;
+    const float* scale = channels;
+    const float* minimum = channels + dim;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      buf[i] = static_cast<float>(src[i] & 0x0f) * scale[i] + minimum[i];
+      buf[i + half] = static_cast<float>(src[i] >> 4) * scale[i + half] + minimum[i + half];
+    }
   } else {
+    static_assert(F == kInt2, "no loader for this format");
     // Bits 2k..2k+1 of byte i are dimension i + k * dim / 4 (KEY_ONLY values only).
     const int64_t quarter = dim / 4;
     const uint8_t* src = pool.data + e * quarter;
@@ -148,27 +166,45 @@ CONFKV_INLINE const float* load(const Pool& pool, int64_t e, int64_t dim, float*
   return buf;
 }
 
-// Walks a table of `entries` entries in order from `start`, without a division per entry.
+// Walks a table of `entries` entries in order from `start`, without a division per entry. A cursor over int4c
+// keys needs `channels`, room for 2 * dim floats: its current block's params, decoded (see load).
 class Cursor {
  public:
-  Cursor(const int32_t* table, int64_t block_size, int64_t start, int64_t entries)
+  Cursor(const int32_t* table, int64_t block_size, int64_t start, int64_t entries, float* channels = nullptr)
       : table_(table),
         block_size_(block_size),
         last_block_((entries + block_size - 1) / block_size - 1),
         index_(start / block_size),
-        offset_(start % block_size) {}
+        offset_(start % block_size),
+        channels_(channels) {}
 
   // The current entry's vector as float32 (see load), then a step to the next entry.
   template <int64_t F>
   CONFKV_INLINE const float* take(const Pool& pool, int64_t kv_head, int64_t dim, float* buf) {
-    const float* vec = load<F>(pool, entry(table_[index_], pool, kv_head), dim, buf);
+    if constexpr (F == kInt4c) {
+      // The params are the block's: decoded once per block, not per entry (twice as many values as its codes).
+      if (index_ != channels_index_) {
+        const uint16_t* src = pool.params + channels_offset(table_[index_], pool, kv_head, dim);
+#pragma omp simd
+        for (int64_t i = 0; i < 2 * dim; ++i) channels_[i] = half_to_float(src[i]);
+        channels_index_ = index_;
+      }
+    }
+    const float* vec = load<F>(pool, entry(table_[index_], pool, kv_head), dim, buf, channels_);
     // Blocks are scattered, so the hardware prefetcher cannot follow from one block to the next:
     // request the entry one block ahead.
     if (index_ < last_block_) {
       const int64_t ahead = entry(table_[index_ + 1], pool, kv_head);
       const char* bytes = reinterpret_cast<const char*>(pool.data) + ahead * entry_bytes<F>(dim);
       for (int64_t b = 0; b < entry_bytes<F>(dim); b += 64) __builtin_prefetch(bytes + b);
-      if (pool.params != nullptr) __builtin_prefetch(pool.params + ahead * pool.num_params);
+      if constexpr (F == kInt4c) {
+        // The next block's params (4 * dim bytes), a line per entry: spread over this block's entries.
+        const char* params =
+            reinterpret_cast<const char*>(pool.params + channels_offset(table_[index_ + 1], pool, kv_head, dim));
+        for (int64_t b = offset_ * 64; b < 4 * dim; b += 64 * block_size_) __builtin_prefetch(params + b);
+      } else if (pool.params != nullptr) {
+        __builtin_prefetch(pool.params + ahead * pool.num_params);
+      }
     }
     if (++offset_ == block_size_) {
       offset_ = 0;
@@ -183,11 +219,18 @@ class Cursor {
     return (static_cast<int64_t>(block) * block_size_ + offset_) * pool.kv_heads + kv_head;
   }
 
+  // int4c: index of a block's params for a head in the pool's [num_blocks, kv_heads, 2, dim] params.
+  static CONFKV_INLINE int64_t channels_offset(int32_t block, const Pool& pool, int64_t kv_head, int64_t dim) {
+    return (static_cast<int64_t>(block) * pool.kv_heads + kv_head) * 2 * dim;
+  }
+
   const int32_t* table_;
   int64_t block_size_;
   int64_t last_block_;
   int64_t index_;
   int64_t offset_;
+  float* channels_;
+  int64_t channels_index_ = -1;  // the table index of the block whose params `channels_` holds
 };
 
 struct Args {
@@ -196,6 +239,7 @@ struct Args {
   std::vector<Pool> pools;
   const int32_t* row_slot;
   const int32_t* row_pool;
+  const int32_t* row_value_pool;
   int64_t key_only_pool;
   const int32_t* key_tables;
   const int32_t* value_tables;
@@ -225,8 +269,10 @@ struct Args {
 struct Scratch {
   std::vector<float> keys, values;  // kUnroll decoded vectors each
   std::vector<float> scores;  // [group, kTile]: scaled scores, then their exp
+  std::vector<float> channels;  // [2, dim]: the params of the int4c key block being read, decoded
 
-  explicit Scratch(const Args& a) : keys(kUnroll * a.dim), values(kUnroll * a.dim), scores(a.group * kTile) {}
+  explicit Scratch(const Args& a)
+      : keys(kUnroll * a.dim), values(kUnroll * a.dim), scores(a.group * kTile), channels(2 * a.dim) {}
 };
 
 // Scaled scores of the next `count` keys against every query head of the group, into s.scores.
@@ -269,6 +315,26 @@ CONFKV_INLINE void score_tile(const Args& a, const Pool& pool, Cursor& keys, int
   }
 }
 
+// score_tile in the format of `pool`, dispatched once per call (a tile). int2 holds no keys: the entry point
+// rejects it as a key pool.
+CONFKV_INLINE void score_any(const Args& a, const Pool& pool, Cursor& keys, int64_t kv_head, const float* q,
+                             int64_t count, Scratch& s) {
+  switch (pool.format) {
+    case kFloat32:
+      return score_tile<kFloat32>(a, pool, keys, kv_head, q, count, s);
+    case kFloat16:
+      return score_tile<kFloat16>(a, pool, keys, kv_head, q, count, s);
+    case kBFloat16:
+      return score_tile<kBFloat16>(a, pool, keys, kv_head, q, count, s);
+    case kInt8:
+      return score_tile<kInt8>(a, pool, keys, kv_head, q, count, s);
+    case kInt4:
+      return score_tile<kInt4>(a, pool, keys, kv_head, q, count, s);
+    default:
+      return score_tile<kInt4c>(a, pool, keys, kv_head, q, count, s);
+  }
+}
+
 // acc[g] += p[g, t] * value_t for tile positions t in [begin, end), values read through `values`.
 template <int64_t F>
 CONFKV_INLINE void accumulate_values(const Args& a, const Pool& pool, Cursor& values, int64_t kv_head, int64_t begin,
@@ -299,26 +365,28 @@ CONFKV_INLINE void accumulate_values(const Args& a, const Pool& pool, Cursor& va
   }
 }
 
-CONFKV_INLINE void accumulate_key_only(const Args& a, const Pool& pool, Cursor& values, int64_t kv_head, int64_t end,
-                                       float* acc, Scratch& s) {
+// accumulate_values in the format of `pool`, dispatched once per call (a tile). int4c holds no values: the
+// entry point rejects it as a value pool.
+CONFKV_INLINE void accumulate_any(const Args& a, const Pool& pool, Cursor& values, int64_t kv_head, int64_t begin,
+                                  int64_t end, float* acc, Scratch& s) {
   switch (pool.format) {
     case kFloat32:
-      return accumulate_values<kFloat32>(a, pool, values, kv_head, 0, end, acc, s);
+      return accumulate_values<kFloat32>(a, pool, values, kv_head, begin, end, acc, s);
     case kFloat16:
-      return accumulate_values<kFloat16>(a, pool, values, kv_head, 0, end, acc, s);
+      return accumulate_values<kFloat16>(a, pool, values, kv_head, begin, end, acc, s);
     case kBFloat16:
-      return accumulate_values<kBFloat16>(a, pool, values, kv_head, 0, end, acc, s);
+      return accumulate_values<kBFloat16>(a, pool, values, kv_head, begin, end, acc, s);
     case kInt8:
-      return accumulate_values<kInt8>(a, pool, values, kv_head, 0, end, acc, s);
+      return accumulate_values<kInt8>(a, pool, values, kv_head, begin, end, acc, s);
     case kInt4:
-      return accumulate_values<kInt4>(a, pool, values, kv_head, 0, end, acc, s);
+      return accumulate_values<kInt4>(a, pool, values, kv_head, begin, end, acc, s);
     default:
-      return accumulate_values<kInt2>(a, pool, values, kv_head, 0, end, acc, s);
+      return accumulate_values<kInt2>(a, pool, values, kv_head, begin, end, acc, s);
   }
 }
 
 // Entries [begin, end) of a (row, KV head) pair, into the span's max, sum and acc; F is the format of the
-// row's pool (its keys and FULL values).
+// row's keys and FULL values, or kAnyFormat (those of their pools, which may differ).
 template <int64_t F>
 CONFKV_INLINE void attend(const Args& a, int64_t row, int64_t kv_head, int64_t begin, int64_t end, float* max,
                           float* sum, float* acc, Scratch& s) {
@@ -326,20 +394,25 @@ CONFKV_INLINE void attend(const Args& a, int64_t row, int64_t kv_head, int64_t b
   const int64_t n = a.num_keys[slot];
   const int64_t n_key_only = a.num_key_only[slot];
   const Pool& pool = a.pools[a.row_pool[row]];
+  const Pool& value_pool = a.pools[a.row_value_pool[row]];
   const int64_t dim = a.dim;
   const float* q = a.query + (row * a.heads + kv_head * a.group) * dim;
   const int64_t observe = a.observe_index[row];
   std::fill(max, max + a.group, -std::numeric_limits<float>::infinity());
   std::fill(sum, sum + a.group, 0.f);
   std::fill(acc, acc + a.group * dim, 0.f);
-  Cursor keys(a.key_tables + slot * a.key_stride, a.block_size, begin, n);
+  Cursor keys(a.key_tables + slot * a.key_stride, a.block_size, begin, n, s.channels.data());
   Cursor key_only_values(a.key_only_tables + slot * a.key_only_stride, a.block_size, std::min(begin, n_key_only),
                          n_key_only);
   Cursor full_values(a.value_tables + slot * a.value_stride, a.block_size, std::max(begin - n_key_only, int64_t{0}),
                      n - n_key_only);
   for (int64_t j0 = begin; j0 < end; j0 += kTile) {
     const int64_t count = std::min(kTile, end - j0);
-    score_tile<F>(a, pool, keys, kv_head, q, count, s);
+    if constexpr (F == kAnyFormat) {
+      score_any(a, pool, keys, kv_head, q, count, s);
+    } else {
+      score_tile<F>(a, pool, keys, kv_head, q, count, s);
+    }
     for (int64_t g = 0; g < a.group; ++g) {
       float* sg = s.scores.data() + g * kTile;
       if (observe >= 0) {
@@ -370,15 +443,32 @@ CONFKV_INLINE void attend(const Args& a, int64_t row, int64_t kv_head, int64_t b
     // KEY_ONLY entries come first in key order; their values live in the key-only pool.
     const int64_t key_only_end = std::clamp(n_key_only - j0, int64_t{0}, count);
     if (key_only_end > 0) {
-      accumulate_key_only(a, a.pools[a.key_only_pool], key_only_values, kv_head, key_only_end, acc, s);
+      accumulate_any(a, a.pools[a.key_only_pool], key_only_values, kv_head, 0, key_only_end, acc, s);
     }
-    accumulate_values<F>(a, pool, full_values, kv_head, key_only_end, count, acc, s);
+    if constexpr (F == kAnyFormat) {
+      accumulate_any(a, value_pool, full_values, kv_head, key_only_end, count, acc, s);
+    } else {
+      accumulate_values<F>(a, value_pool, full_values, kv_head, key_only_end, count, acc, s);
+    }
   }
+}
+
+// Rows whose keys and FULL values differ in format (int4c keys, whose values are per token, always): one more
+// copy of the loops, dispatched per tile, rather than one per pair. A function of its own, so that the usual
+// pairings compile as they would without it.
+CONFKV_MULTIVERSION void attend_span_mixed(const Args& a, int64_t row, int64_t kv_head, int64_t begin, int64_t end,
+                                           float* max, float* sum, float* acc, Scratch& s) {
+  attend<kAnyFormat>(a, row, kv_head, begin, end, max, sum, acc, s);
 }
 
 CONFKV_MULTIVERSION void attend_span(const Args& a, int64_t row, int64_t kv_head, int64_t begin, int64_t end,
                                      float* max, float* sum, float* acc, Scratch& s) {
-  switch (a.pools[a.row_pool[row]].format) {
+  const int64_t format = a.pools[a.row_pool[row]].format;
+  // Values in the keys' format (the usual pairing) are compiled with them.
+  if (a.pools[a.row_value_pool[row]].format != format) {
+    return attend_span_mixed(a, row, kv_head, begin, end, max, sum, acc, s);
+  }
+  switch (format) {
     case kFloat32:
       return attend<kFloat32>(a, row, kv_head, begin, end, max, sum, acc, s);
     case kFloat16:
@@ -465,9 +555,10 @@ void check_table(const int32_t* table, int64_t stride, int64_t entries, int64_t 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
     const at::Tensor& query, const std::vector<at::Tensor>& pool_data, const std::vector<at::Tensor>& pool_params,
     const std::vector<int64_t>& pool_formats, const at::Tensor& row_slot, const at::Tensor& row_pool,
-    int64_t key_only_pool, const at::Tensor& key_tables, const at::Tensor& value_tables,
-    const at::Tensor& key_only_tables, const at::Tensor& num_keys, const at::Tensor& num_key_only, int64_t block_size,
-    double scale, const at::Tensor& observe_index, int64_t num_observed) {
+    const at::Tensor& row_value_pool, int64_t key_only_pool, const at::Tensor& key_tables,
+    const at::Tensor& value_tables, const at::Tensor& key_only_tables, const at::Tensor& num_keys,
+    const at::Tensor& num_key_only, int64_t block_size, double scale, const at::Tensor& observe_index,
+    int64_t num_observed) {
   TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kFloat && query.is_contiguous() &&
                   query.dim() == 3,
               "query must be a contiguous float32 CPU tensor [rows, heads, head_dim]");
@@ -489,9 +580,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
     const at::Tensor& data = pool_data[i];
     const at::Tensor& params = pool_params[i];
     const int64_t format = pool_formats[i];
-    static const at::ScalarType dtypes[] = {at::kFloat, at::kHalf, at::kBFloat16, at::kChar, at::kByte, at::kByte};
-    TORCH_CHECK(format >= kFloat32 && format <= kInt2, "pool ", i, ": unknown format code ", format);
-    const int64_t width = format == kInt4 ? dim / 2 : format == kInt2 ? dim / 4 : dim;
+    static const at::ScalarType dtypes[] = {at::kFloat, at::kHalf, at::kBFloat16, at::kChar, at::kByte, at::kByte,
+                                            at::kByte};
+    TORCH_CHECK(format >= kFloat32 && format <= kInt4c, "pool ", i, ": unknown format code ", format);
+    const int64_t width = format == kInt4 || format == kInt4c ? dim / 2 : format == kInt2 ? dim / 4 : dim;
     TORCH_CHECK(data.device().is_cpu() && data.is_contiguous() && data.scalar_type() == dtypes[format] &&
                     data.dim() == 4 && data.size(1) == block_size && data.size(2) == a.kv_heads &&
                     data.size(3) == width,
@@ -502,7 +594,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
     pool.format = format;
     pool.num_blocks = data.size(0);
     pool.kv_heads = a.kv_heads;
-    if (format >= kInt8) {
+    if (format == kInt4c) {
+      TORCH_CHECK(params.device().is_cpu() && params.is_contiguous() && params.scalar_type() == at::kHalf &&
+                      params.dim() == 4 && params.size(0) == data.size(0) && params.size(1) == a.kv_heads &&
+                      params.size(2) == 2 && params.size(3) == dim,
+                  "pool ", i, ": int4c params must be a contiguous float16 CPU tensor [num_blocks, ", a.kv_heads,
+                  ", 2, ", dim, "]");
+      pool.params = reinterpret_cast<const uint16_t*>(params.data_ptr());
+    } else if (format >= kInt8) {
       const int64_t needed = format == kInt8 ? 1 : 2;
       TORCH_CHECK(params.device().is_cpu() && params.is_contiguous() && params.scalar_type() == at::kHalf &&
                       params.dim() == 4 && params.size(0) == data.size(0) && params.size(1) == block_size &&
@@ -518,6 +617,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
 
   a.row_slot = int32_data(row_slot, "row_slot", 1);
   a.row_pool = int32_data(row_pool, "row_pool", 1);
+  a.row_value_pool = int32_data(row_value_pool, "row_value_pool", 1);
   a.observe_index = int32_data(observe_index, "observe_index", 1);
   a.key_tables = int32_data(key_tables, "key_tables", 2);
   a.value_tables = int32_data(value_tables, "value_tables", 2);
@@ -525,8 +625,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
   a.num_keys = int32_data(num_keys, "num_keys", 1);
   a.num_key_only = int32_data(num_key_only, "num_key_only", 1);
   const int64_t slots = num_keys.size(0);
-  TORCH_CHECK(row_slot.size(0) == rows && row_pool.size(0) == rows && observe_index.size(0) == rows,
-              "row_slot, row_pool and observe_index must have one entry per query row");
+  TORCH_CHECK(row_slot.size(0) == rows && row_pool.size(0) == rows && row_value_pool.size(0) == rows &&
+                  observe_index.size(0) == rows,
+              "row_slot, row_pool, row_value_pool and observe_index must have one entry per query row");
   TORCH_CHECK(num_key_only.size(0) == slots && key_tables.size(0) == slots && value_tables.size(0) == slots &&
                   key_only_tables.size(0) == slots,
               "num_keys, num_key_only and the tables must have one row per slot");
@@ -537,6 +638,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
   a.block_size = block_size;
   a.scale = static_cast<float>(scale);
   TORCH_CHECK(num_observed >= 0, "num_observed must be >= 0");
+  if (key_only_pool >= 0 && key_only_pool < num_pools) {
+    TORCH_CHECK(a.pools[key_only_pool].format != kInt4c, "key_only_pool ", key_only_pool,
+                " is int4c, which holds keys only, not values");
+  }
 
   a.width = 0;
   a.observed_row.assign(num_observed, -1);
@@ -545,13 +650,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
     const int64_t slot = a.row_slot[r];
     TORCH_CHECK(slot >= 0 && slot < slots, "row ", r, ": slot ", slot, " out of range");
     TORCH_CHECK(a.row_pool[r] >= 0 && a.row_pool[r] < num_pools, "row ", r, ": pool ", a.row_pool[r], " out of range");
+    TORCH_CHECK(a.row_value_pool[r] >= 0 && a.row_value_pool[r] < num_pools, "row ", r, ": value pool ",
+                a.row_value_pool[r], " out of range");
     const int64_t n = a.num_keys[slot], n_key_only = a.num_key_only[slot];
     TORCH_CHECK(n >= 0 && n_key_only >= 0 && n_key_only <= n, "slot ", slot, ": bad num_keys ", n,
                 " / num_key_only ", n_key_only);
     const Pool& pool = a.pools[a.row_pool[r]];
+    const Pool& value_pool = a.pools[a.row_value_pool[r]];
     TORCH_CHECK(pool.format != kInt2, "row ", r, ": int2 holds KEY_ONLY values only, not keys");
+    TORCH_CHECK(value_pool.format != kInt4c, "row ", r, ": value pool ", a.row_value_pool[r],
+                " is int4c, which holds keys only, not values");
     check_table(a.key_tables + slot * a.key_stride, a.key_stride, n, block_size, pool, "key_tables");
-    check_table(a.value_tables + slot * a.value_stride, a.value_stride, n - n_key_only, block_size, pool,
+    check_table(a.value_tables + slot * a.value_stride, a.value_stride, n - n_key_only, block_size, value_pool,
                 "value_tables");
     if (n_key_only > 0) {
       TORCH_CHECK(key_only_pool >= 0 && key_only_pool < num_pools, "key_only_pool ", key_only_pool, " out of range");
@@ -619,9 +729,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
         "Decode attention over the block-paged KV pool; see compression/paged_attention.py",
         py::arg("query"), py::arg("pool_data"), py::arg("pool_params"), py::arg("pool_formats"), py::arg("row_slot"),
-        py::arg("row_pool"), py::arg("key_only_pool"), py::arg("key_tables"), py::arg("value_tables"),
-        py::arg("key_only_tables"), py::arg("num_keys"), py::arg("num_key_only"), py::arg("block_size"),
-        py::arg("scale"), py::arg("observe_index"), py::arg("num_observed"),
+        py::arg("row_pool"), py::arg("row_value_pool"), py::arg("key_only_pool"), py::arg("key_tables"),
+        py::arg("value_tables"), py::arg("key_only_tables"), py::arg("num_keys"), py::arg("num_key_only"),
+        py::arg("block_size"), py::arg("scale"), py::arg("observe_index"), py::arg("num_observed"),
         // The pass holds no Python state: let the server's other threads run meanwhile.
         py::call_guard<py::gil_scoped_release>());
 }
