@@ -49,6 +49,20 @@ def test_teacher_forced_fidelity_is_exact_against_itself_and_falls_with_compress
         assert 0.0 <= top1 <= 1.0 and kl > 1e-4
 
 
+def test_kivi4_keys_keep_the_model_closer_than_per_token_int4(default_model, tokenizer):
+    """Same int4 values per token; keys per channel over blocks (kivi4) against per token, rotated
+    (int4): the model's own next-token distributions move less."""
+    text = " ".join(f"Item {i} is filed under box {i % 7}." for i in range(60))
+    prompt = tokenizer(text).input_ids[:400]
+    with torch.inference_mode():
+        answer = default_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, 400:]
+    tasks = Tasks([], [], {"case": prompt}, {"case": 12}, [], answers={"case": answer.tolist()})
+    quality.teacher_forced_fidelity(default_model, Setup("uncompressed", "auto", "none", 0.0), tasks, None)
+    _, int4 = quality.teacher_forced_fidelity(default_model, Setup("uniform int4", "int4", "none", 0.0), tasks, None)
+    _, kivi4 = quality.teacher_forced_fidelity(default_model, Setup("uniform kivi4", "kivi4", "none", 0.0), tasks, None)
+    assert 0.0 < kivi4 < int4 / 4  # about 0.005 against 0.08 here
+
+
 def _tasks() -> Tasks:
     needles = [NeedleCase(f"n{i}", [], "pelican-42", length, 0.5) for i, length in enumerate((1000, 1000, 2000, 2000))]
     summaries = [FidelityCase("s0", []), FidelityCase("s1", [])]
