@@ -125,7 +125,8 @@ bench-peers: $(PEERS_STAMP)
 # asked two questions through the prefix cache, with KVzip (about 15 minutes); the long-context frontier,
 # needles at 4k and 7k tokens at 3-12% of the bytes against TOVA, SnapKV and KIVI, with kvpress' SnapKV
 # with and without per-head budgets after our setups (about 50 minutes); and the same frontier on 24 needle
-# cases that no other run uses, against SnapKV and dynamic's previous pooling (about 25 minutes).
+# cases that no other run uses, against SnapKV, dynamic's previous pooling and the kivi4 storage (about 90
+# minutes: each storage prefills every case once, about 26 minutes, and the setups after it reuse that).
 bench-quality: bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix \
 	bench-quality-long bench-quality-long-held-out
 
@@ -151,7 +152,7 @@ bench-quality-long-held-out: model
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/quality.py --needle-lengths 4000 7000 --needles-from 36 --needles 24 --summaries 0 \
 		--perplexity-tokens 0 --no-forced --rates 0.875 0.95 0.97 --policies dynamic snapkv --baseline-storage int8 \
-		--poolings max:3 --no-uniform --out benchmarks/results/quality_long_held_out
+		--dynamic-storages int8 kivi4 --poolings max:3 --no-uniform --out benchmarks/results/quality_long_held_out
 
 bench-quality-prefix: model bench-peers
 	$(PY) -m pip install --quiet -e '.[bench]'

@@ -75,12 +75,13 @@ LONG = {  # --long: the frontier where the model's context ends and bytes are fe
     "rates": [0.875, 0.95, 0.97],
     "policies": ["dynamic", "tova", "snapkv"],
     "baseline_storage": "int8",  # at equal bytes with dynamic, which stores int8
-    "dynamic_storages": ["int8", "int4"],
+    # kivi4 (per-channel int4 keys) in place of per-token int4, which loses the needles at these lengths;
+    # the rotation's ablation on int4 keys is recorded in the README and no longer re-run here.
+    "dynamic_storages": ["int8", "kivi4"],
     "layer_budgets": ["pyramid", "adaptive"],
-    "uniform": ["int4"],
+    "uniform": ["kivi4"],  # against KIVI-4 as published, storage alone at about the same bytes
     "kivi": [2, 4],
     "key_only_bits": [2],
-    "unrotated_keys": ["int4"],  # int4 keys as they were before the rotation, at the same bytes
     "poolings": [("max", 3)],  # dynamic's earlier default: against its previous version
     "fixed_rates": [0.875, 0.95, 0.97],  # the rate alone deciding, at the ceiling's bytes
     "peers": True,  # per-head budgets: kvpress's SnapKV with AdaKV's head-wise budgets and without
@@ -557,7 +558,7 @@ def parse_args() -> argparse.Namespace:
         "--long",
         action="store_true",
         help="the long-context frontier: needles at 4k and 7k tokens, rates 0.875/0.95/0.97, baselines at int8, "
-        "KIVI-2/4, dynamic at int4 (keys rotated and not), with per-layer budgets, max-pooled over 3 (its earlier "
+        "KIVI-2/4, uniform kivi4, dynamic at kivi4, with per-layer budgets, max-pooled over 3 (its earlier "
         "default) and with the rate alone deciding, kvpress SnapKV with and without per-head budgets (AdaKV); no "
         "summaries, perplexity or teacher forcing",
     )

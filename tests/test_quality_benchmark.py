@@ -235,12 +235,10 @@ def test_the_long_preset_puts_every_row_at_the_frontier(monkeypatch, tokenizer):
     assert args.peers and args.peers_after and args.presses == ["SnapKV", "AdaKV(SnapKV)"]  # per-head budgets
     plan = quality.plan_of(args)
     labels = {s.label for s in plan}
-    assert {"uncompressed", "uniform int4", "KIVI-2", "KIVI-4", "dynamic", "dynamic, int4", "tova, int8"} <= labels
+    assert {"uncompressed", "uniform kivi4", "KIVI-2", "KIVI-4", "dynamic", "dynamic, kivi4", "tova, int8"} <= labels
     assert {"snapkv, int8", "dynamic, pyramid layers", "dynamic, adaptive layers"} <= labels
     assert {s.key_only_bits for s in plan if s.label == "dynamic, 2-bit KEY_ONLY values"} == {2}
-    unrotated = next(s for s in plan if s.label == "dynamic, keys unrotated, int4")
-    assert unrotated.storage == "int4" and not unrotated.key_rotation
-    assert all(s.key_rotation for s in plan if s is not unrotated and s.label != unrotated.label)
+    assert {s.storage for s in plan if s.label.startswith("dynamic, kivi4")} == {"kivi4"}
     assert {s.rate for s in plan if s.rate} == {0.875, 0.95, 0.97}
     previous = next(s for s in plan if s.label == "dynamic, max-pooled over 3")  # dynamic's earlier default
     scorer = resolve(CompressionConfig(), quality.request_of(previous), True, False).scorer()
