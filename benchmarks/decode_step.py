@@ -1,4 +1,4 @@
-"""Decode step time at the same batch: compression off against int8 storage at several rates.
+"""Decode step time at the same batch: compression off against int8 (and kivi4) storage at several rates.
 
 N sequences of P prompt tokens are prefilled, then decode together (greedy, EOS ignored); the
 figure is the median duration of the engine's pure decode steps (every sequence one token). All
@@ -44,6 +44,7 @@ SETUPS = {  # label -> request (dynamic's thresholds decide under the rate's cei
     "int8, rate 0.6, thresholds off": {"policy": "dynamic", "compression_rate": 0.6, **RATE_ONLY},
     "int8, rate 0.75": {"policy": "dynamic", "compression_rate": 0.75},
     "int8, rate 0.875": {"policy": "dynamic", "compression_rate": 0.875},
+    "kivi4, rate 0.875": {"policy": "dynamic", "compression_rate": 0.875, "kv_cache_dtype": "kivi4"},
 }
 MATMULS = {"aten::mm", "aten::addmm", "aten::bmm"}
 
