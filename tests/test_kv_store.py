@@ -282,6 +282,21 @@ def outlier_keys(layer: int, n: int = 40, heads: int = 2, dim: int = 64) -> torc
     return keys
 
 
+def assert_decode_agrees_with_views(store: KVStore, attend, query: torch.Tensor, new: torch.Tensor, positions) -> None:
+    """Sequences 1 and 2 (2 KV heads of 64, 4 query heads) decode one token each in one step, keys
+    `new` and values negated: `attend` over the store's decode batch gives each row the attention
+    over its sequence's dequantised view."""
+    store.reserve(1, 1)
+    store.reserve(2, 1)
+    plan = store.begin_step([Segment(1, 0, 1), Segment(2, 1, 2)], torch.tensor(positions))
+    store.write(0, plan, new, -new)
+    result = attend(store.decode_batch(0, plan, query, 0.125))
+    for row, seq_id in enumerate((1, 2)):
+        view = store.view(seq_id, 0)
+        probs = (query[row].view(2, 2, 64) @ view.keys.transpose(1, 2) * 0.125).softmax(-1)
+        assert torch.allclose(result.out[row], (probs @ view.values).view(4, 64), atol=1e-4)
+
+
 def test_quantised_keys_stored_rotated_come_back_closer_and_decode_agrees_with_the_view():
     """The rotation spreads the outlier channels: int4 and int8 keys come back closer to what was
     written; the decode kernel (turned queries on turned keys) and the view (keys turned back) compute
@@ -296,16 +311,8 @@ def test_quantised_keys_stored_rotated_come_back_closer_and_decode_agrees_with_t
             errors[rotated, seq_id] = float((store.view(seq_id, 0).keys - written).norm() / written.norm())
 
         query = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(7))
-        store.reserve(1, 1)
-        store.reserve(2, 1)
-        plan = store.begin_step([Segment(1, 0, 1), Segment(2, 1, 2)], torch.tensor([40, 40]))
         new = torch.randn(2, 2, 64, generator=torch.Generator().manual_seed(8))
-        store.write(0, plan, new, -new)
-        result = decode_attention_reference(store.decode_batch(0, plan, query, 0.125))
-        for row, seq_id in enumerate((1, 2)):
-            view = store.view(seq_id, 0)
-            probs = (query[row].view(2, 2, 64) @ view.keys.transpose(1, 2) * 0.125).softmax(-1)
-            assert torch.allclose(result.out[row], (probs @ view.values).view(4, 64), atol=1e-4)
+        assert_decode_agrees_with_views(store, decode_attention_reference, query, new, [40, 40])
     for seq_id in (1, 2):  # int4, int8
         assert errors[True, seq_id] < 0.5 * errors[False, seq_id]
 
@@ -421,14 +428,5 @@ def test_kivi4_decode_attention_agrees_with_the_view_beside_an_int8_sequence():
     for seq_id, n in ((1, 37), (2, 21)):
         keys = torch.randn(2, n, 64, generator=generator) * torch.linspace(0.1, 5.0, 64)
         fill(store, seq_id, n, keys=lambda layer, keys=keys: keys)
-    query = torch.randn(2, 4, 64, generator=generator)
-    store.reserve(1, 1)
-    store.reserve(2, 1)
-    plan = store.begin_step([Segment(1, 0, 1), Segment(2, 1, 2)], torch.tensor([37, 21]))
-    new = torch.randn(2, 2, 64, generator=generator)
-    store.write(0, plan, new, -new)
-    result = decode_attention(store.decode_batch(0, plan, query, 0.125))
-    for row, seq_id in enumerate((1, 2)):
-        view = store.view(seq_id, 0)
-        probs = (query[row].view(2, 2, 64) @ view.keys.transpose(1, 2) * 0.125).softmax(-1)
-        assert torch.allclose(result.out[row], (probs @ view.values).view(4, 64), atol=1e-4)
+    query, new = torch.randn(2, 4, 64, generator=generator), torch.randn(2, 2, 64, generator=generator)
+    assert_decode_agrees_with_views(store, decode_attention, query, new, [37, 21])
