@@ -20,6 +20,8 @@ by another (`compression.triton_blocks`): the same bytes as the torch path, in f
 
 from __future__ import annotations
 
+import math
+from statistics import NormalDist
 from types import ModuleType
 
 import torch
@@ -64,6 +66,18 @@ class Codec:
         if self.quantized:
             return bytes_per_vector(self.head_dim, self.bits)
         return self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def relative_error(self) -> float:
+        """Expected RMS error of a vector as stored, relative to its elements' RMS, for Gaussian elements:
+        a uniform quantiser's step / sqrt(12), the step being the expected range of the elements one
+        scale spans (a head vector's, a block's tokens' per channel for int4c) over its levels. Float
+        formats: 0."""
+        if not self.quantized:
+            return 0.0
+        spanned = self.block_size if self.per_channel else self.head_dim
+        expected_range = 2.0 * NormalDist().inv_cdf((spanned - 0.375) / (spanned + 0.25))  # Blom's approximation
+        return expected_range / (2**self.bits - 1) / math.sqrt(12.0)
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Vectors [..., head_dim] as stored: codes [..., width] and params [..., 1 or 2] (or None)."""

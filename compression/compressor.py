@@ -36,6 +36,7 @@ class _Budget(NamedTuple):
     per_layer: float  # bytes per layer it may keep on average: the ceiling, or less where the thresholds judged so
     full_bytes: int  # of a FULL entry
     key_only_bytes: int  # of a KEY_ONLY entry
+    value_errors: tuple[float, float]  # relative error of a FULL and of a KEY_ONLY value as stored
     rounding: float  # a partial block of each of a layer's tables: what whole blocks may hold past `per_layer`
     judge: bool  # do the thresholds judge the request now (every layer)?
     rescore: bool  # is every layer scored now (to judge, or to share the bytes among layers afresh)?
@@ -474,6 +475,7 @@ class Compressor:
         for layer, kv, protected, scores, _, _ in judged:
             if not over[layer]:
                 continue
+            # Scores that are expected attention also say what a precise value is worth (`_spend`).
             plan = plan_tiers(
                 scores,
                 protected,
@@ -482,6 +484,7 @@ class Compressor:
                 full_bytes,
                 key_only_bytes,
                 state.policy.uses_tiers,
+                value_errors=budget.value_errors if state.policy.uses_attention else (0.0, 0.0),
             )
             if plan.dropped.numel() == 0 and plan.keep_key_only.numel() == kv.num_key_only:
                 continue
@@ -527,12 +530,13 @@ class Compressor:
         """What this compression may keep of each layer, and whether the thresholds judge the request now."""
         store = self.store
         rate = self.target_rate(state)
-        full_bytes, key_only_bytes = store.entry_bytes(store.codec_of(seq_id))
+        codec = store.codec_of(seq_id)
+        sizes = (*store.entry_bytes(codec), store.value_errors(codec))
         if rate <= 0.0:
-            return _Budget(float("inf"), float("inf"), full_bytes, key_only_bytes, 0.0, judge=False, rescore=False)
+            return _Budget(float("inf"), float("inf"), *sizes, 0.0, judge=False, rescore=False)
         per_token = store.model_token_bytes / store.num_layers
         # Tables hold whole blocks: leave room for a partial one of each of the three tables.
-        rounding = store.table_blocks_bytes(store.codec_of(seq_id))
+        rounding = store.table_blocks_bytes(codec)
         ceiling = (1.0 - rate) * num_tokens * per_token - rounding
         # The thresholds judge every layer's entries, so only every `prediction_refresh` compressions
         # (when the predictor refreshes its forecasts); in between, what they kept per token holds.
@@ -543,7 +547,7 @@ class Compressor:
         per_layer = ceiling
         if state.content_bytes_per_token is not None and not judge:
             per_layer = min(ceiling, state.content_bytes_per_token * num_tokens)
-        return _Budget(ceiling, per_layer, full_bytes, key_only_bytes, rounding, judge, rescore)
+        return _Budget(ceiling, per_layer, *sizes, rounding, judge, rescore)
 
     def _layer_bytes(self, state: SequenceState, per_layer: float) -> list[float]:
         """Each layer's bytes: the per-layer mean, shared among the layers as `layer_budget` says."""

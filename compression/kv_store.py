@@ -258,6 +258,10 @@ class KVStore:
         full = self.num_kv_heads * (key + codec.values.vector_bytes)
         return full, self.num_kv_heads * (key + self.key_only_pool.codec.vector_bytes)
 
+    def value_errors(self, codec: Codec | None = None) -> tuple[float, float]:
+        """Relative error of a FULL value and of a KEY_ONLY value as stored (`Codec.relative_error`)."""
+        return (codec or self.codec).values.relative_error, self.key_only_pool.codec.relative_error
+
     @property
     def model_token_bytes(self) -> int:
         """Bytes of one token over all layers in an uncompressed cache at the model's dtype."""

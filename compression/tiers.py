@@ -7,11 +7,13 @@ by score), else by score. The most each unprotected entry may keep is its limit:
   an entry that an earlier compression kept (`judged`) is dropped only below the drop line (`low`,
   default medium), and between it and high it stays as KEY_ONLY. Memory then follows the content;
 - without one, FULL for every entry: the budget alone decides.
-An entry that is KEY_ONLY already never goes back to FULL. The budget then keeps as many entries as
-it holds, best-ranked first, at the cheapest tier they can take (KEY_ONLY for a tiering policy), and
-spends what is left raising the best of them to their limit. So an entry is demoted only as far as
-the budget or its own confidence needs, and the lowest-ranked go first. Protected entries
-(attention sinks, the recent window) are always kept as they are.
+An entry that is KEY_ONLY already never goes back to FULL. The budget then buys, most value per byte
+first, two kinds of step: keeping an entry (best-ranked first, at KEY_ONLY for a tiering policy) and
+raising a kept one to FULL (up to its limit). Keeping is worth the entry's expected attention, less
+its KEY_ONLY value's error; raising, that attention times the error FULL removes. So the entries the
+output leans on (a fact being copied) get precise values before faint ones are kept, an entry is
+demoted only as far as the budget or its own confidence needs, and the lowest-ranked go first.
+Protected entries (attention sinks, the recent window) are always kept as they are.
 
 The compressor asks the thresholds only what they would keep (`threshold_bytes`, the bytes
 of a plan under an unlimited budget); those bytes over all layers, shared equally among the layers,
@@ -46,9 +48,12 @@ def plan_tiers(
     confidence: torch.Tensor | None = None,
     thresholds: Thresholds | None = None,
     judged: torch.Tensor | None = None,
+    value_errors: tuple[float, float] = (0.0, 0.0),
 ) -> TierPlan:
     """`confidence` [n] in [0, 1] with `thresholds` lets the thresholds decide; `judged` [n] marks the
-    entries an earlier compression kept (they keep their place down to the drop line)."""
+    entries an earlier compression kept (they keep their place down to the drop line).
+    `value_errors`: the relative error of a FULL and of a KEY_ONLY value as stored (`Codec.relative_error`),
+    which sets what raising an entry to FULL is worth against keeping one more (`_spend`)."""
     n = scores.numel()
     device = scores.device
     index = torch.arange(n, device=device)
@@ -65,11 +70,7 @@ def plan_tiers(
     may_keep, may_full = may_keep[order], may_full[order]
 
     if use_tiers:
-        # Keep the best-ranked the budget holds at KEY_ONLY, then raise the best of them to their limit.
-        kept = may_keep & (torch.cumsum(may_keep.long(), 0) <= _fits(remaining, key_only_bytes, n))
-        left = remaining - key_only_bytes * int(kept.sum())
-        raised = kept & may_full
-        full = raised & (torch.cumsum(raised.long(), 0) <= _fits(left, full_bytes - key_only_bytes, n))
+        kept, full = _spend(remaining, scores[candidates], may_keep, may_full, full_bytes, key_only_bytes, value_errors)
     else:  # eviction only: a kept entry stays at its tier
         kept = may_keep & (torch.cumsum(torch.where(may_keep, cost_now[order], 0).float(), 0) <= remaining)
         full = kept & ~ko_ranked
@@ -158,7 +159,46 @@ def _limits(
     return may_keep, may_keep & ~was_key_only & ((confidence >= thresholds.high) | (not use_tiers))
 
 
+def _spend(
+    budget: float,
+    scores: torch.Tensor,
+    may_keep: torch.Tensor,
+    may_full: torch.Tensor,
+    full_bytes: int,
+    key_only_bytes: int,
+    value_errors: tuple[float, float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of the ranked entries [m] are kept, and which of them FULL: the budget buys steps, most
+    worth per byte first. An entry moves the output by its attention times its error: all of it when
+    dropped, the relative error of its value as stored when kept. Independent errors add as
+    variances, so keeping an entry (as KEY_ONLY) is worth a^2 x (1 - KEY_ONLY error^2), raising a
+    kept one to FULL a^2 x (KEY_ONLY error^2 - FULL error^2). Its future attention a is a forecast:
+    its square is expected as the score's square plus the mean square over the entries, as no
+    forecast tells faint entries apart. So an entry is raised at the cost of faint ones only when its
+    score stands far above the layer's typical one (a fact being copied); spread attention keeps the
+    count. An entry's score is that of its rank (`scores`, sorted): the ranking says which are kept,
+    the scores how many are raised. With no error given, every entry the budget holds is kept
+    before any is raised."""
+    m = may_keep.numel()
+    raise_cost = full_bytes - key_only_bytes
+    if raise_cost <= 0:  # values stored as keys are: raising is free
+        kept = may_keep & (torch.cumsum(may_keep.long(), 0) <= _fits(budget, key_only_bytes, m))
+        return kept, kept & may_full
+    full_error, key_only_error = value_errors
+    variance = torch.sort(scores.float().clamp_min(0.0), descending=True).values.square()
+    if m:
+        variance = variance + variance[may_keep].mean().nan_to_num(0.0)
+    keep_gain = variance * (1.0 - key_only_error**2) / key_only_bytes
+    raise_gain = torch.minimum(variance * max(key_only_error**2 - full_error**2, 0.0) / raise_cost, keep_gain)
+    never = torch.tensor(float("-inf"), device=variance.device)
+    gain = torch.cat((torch.where(may_keep, keep_gain, never), torch.where(may_keep & may_full, raise_gain, never)))
+    cost = torch.cat((torch.full((m,), float(key_only_bytes)), torch.full((m,), float(raise_cost)))).to(variance.device)
+    steps = torch.argsort(gain, descending=True, stable=True)  # a raise never comes before its own keep
+    bought = torch.zeros(2 * m, dtype=torch.bool, device=variance.device)
+    bought[steps] = (torch.cumsum(cost[steps], 0) <= budget) & (gain[steps] > never)
+    return bought[:m], bought[m:]
+
+
 def _fits(budget: float, cost: int, most: int) -> int:
-    """How many entries of `cost` bytes `budget` holds (at most `most`; an unlimited budget, or a
-    free step, as raising KEY_ONLY to FULL is where values are stored as keys are, holds all)."""
-    return most if math.isinf(budget) or cost <= 0 else int(budget // cost)
+    """How many entries of `cost` bytes `budget` holds (at most `most`; an unlimited budget holds all)."""
+    return most if math.isinf(budget) else int(budget // cost)
