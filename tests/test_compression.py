@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,9 +14,10 @@ from hypothesis import strategies as st
 from app.engine import run_to_completion
 from compression.block_pool import Codec
 from compression.config import CompressionConfig, resolve
+from compression.history import FULL, KEY_ONLY
 from compression.kv_store import BLOCK_SIZE, Keep, KVStore
 from compression.quant import dequantize, quantize
-from compression.scoring import POLICIES
+from compression.scoring import POLICIES, LayerEntries, ScorePolicy
 from compression.tiers import plan_tiers
 from tests.helpers import fill_store, greedy, make_engine, tiny_model, tokens_of
 
@@ -266,6 +269,34 @@ def test_the_budget_buys_the_most_value_per_byte(scores, errors, data):
     assert min(bought, default=float("inf")) >= max(left, default=0.0) * (1 - 1e-5)
     protected_cost = sum(6 if i < num_key_only else 10 for i in range(n) if protected[i])
     assert 10 * len(full) + 6 * len(key_only) <= max(budget, protected_cost)
+
+
+@dataclass
+class Peaked(ScorePolicy):
+    """Expected attention of 1, and 100 at every 100th position (a fact the output leans on)."""
+
+    uses_tiers = True
+
+    def score(self, entries: LayerEntries) -> torch.Tensor:
+        return torch.where(entries.positions % 100 == 7, 100.0, 1.0)
+
+
+@pytest.mark.parametrize("attention", [True, False])
+def test_the_compressor_raises_the_entries_attention_leans_on(model, tokenizer, monkeypatch, attention):
+    """Through the engine, at int8 under a budget that keeps most entries as KEY_ONLY: the peaks of
+    a policy whose scores are attention are FULL; a policy whose scores are not keeps the count first."""
+    monkeypatch.setitem(POLICIES, "test_peaked", Peaked)
+    monkeypatch.setattr(Peaked, "uses_attention", attention)
+    engine = make_engine(model, tokenizer, compression=SETTINGS)
+    request = {"policy": "test_peaked", "compression_rate": 0.8, "kv_cache_dtype": "int8"}
+    params = resolve(engine.compression_config, request, True, True, inspect=True)
+    engine.add_request("r", prompt(tokenizer, 400), greedy(2), params)
+    prefill = run_to_completion(engine)["r"][-1].tier_history.records[0]
+    peaks = torch.arange(7, prefill.num_tokens - SETTINGS["recent_window"], 100)
+    for layer in prefill.layers:
+        tiers = torch.from_numpy(np.repeat(*layer.tiers.reshape(-1, 2).T))
+        assert (tiers == KEY_ONLY).any()  # the budget binds
+        assert bool((tiers[peaks] == FULL).all()) == attention
 
 
 def tiers_of(plan) -> tuple[set[int], set[int], set[int]]:
