@@ -262,7 +262,7 @@ def test_the_long_preset_puts_every_row_at_the_frontier(monkeypatch, tokenizer):
 
 def test_a_shared_engine_takes_prompts_from_the_prefix_cache_and_keeps_what_a_fresh_one_keeps(default_model, tokenizer):
     """The benchmark runs the setups of one storage on one engine: later setups reuse the prompts,
-    all but the tokens their compression observes, and answer and keep exactly as on a fresh engine."""
+    all but the tokens their compression observes, and answer exactly and keep alike as on a fresh engine."""
     tasks = quality.build_tasks(tokenizer, 2, 0, 0, needle_lengths=(400,))
     first, second = Setup("tova", "int8", "tova", 0.9), Setup("dynamic", "int8", "dynamic", 0.9)
     engine = quality.new_engine(default_model, tokenizer, None)
@@ -272,4 +272,9 @@ def test_a_shared_engine_takes_prompts_from_the_prefix_cache_and_keeps_what_a_fr
     assert shared[1] == fresh[1]  # the same answers, token for token
     for name, metrics in shared[2].items():
         assert metrics["hit_rate"] > 0.8 and fresh[2][name]["hit_rate"] == 0.0
-        assert metrics["entries"] == fresh[2][name]["entries"]  # what each tier holds
+        # What each tier holds: the same entries in all, split alike. The split between KEY_ONLY and
+        # dropped weighs the scores' sizes (`tiers._spend`), which the two prefills give up to rounding.
+        held, want = metrics["entries"], fresh[2][name]["entries"]
+        total = sum(want.values())
+        assert sum(held.values()) == total
+        assert all(abs(held[tier] - want[tier]) <= 0.002 * total for tier in want), (held, want)
