@@ -142,8 +142,17 @@ def test_a_replica_killed_under_locust_load_loses_no_request_and_comes_back(clus
     load = threading.Thread(target=run.run_locust, args=(cluster, 6, 3, "30s", out))
     load.start()
     time.sleep(10)
+    # Besides locust's short requests, long ones that are surely in flight when a replica dies.
+    longs = [{"prompt": f"Tell a long story about the number {i}.", "max_tokens": 96} for i in range(4)]
+    answers: list[httpx.Response] = []
+    askers = [
+        threading.Thread(target=lambda b=body: answers.append(httpx.post(f"{cluster}/generate", json=b, timeout=300)))
+        for body in longs
+    ]
+    for asker in askers:
+        asker.start()
 
-    def busy() -> str | None:  # a replica with requests in flight now (the router may favour one)
+    def busy() -> str | None:  # the replica holding the most of them
         running = by_replica(cluster, "kv_cache_bytes", pool="running")
         return max(running, key=running.get) if running and max(running.values()) > 0 else None
 
@@ -151,6 +160,9 @@ def test_a_replica_killed_under_locust_load_loses_no_request_and_comes_back(clus
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in a["name"]]
     victim = next(name for name in names if name.endswith(busy_id))
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    for asker in askers:
+        asker.join(timeout=300)
+    assert [a.status_code for a in answers] == [200] * len(longs)  # whole answers are retried elsewhere
     load.join(timeout=400)
     assert not load.is_alive()
 
