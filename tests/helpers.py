@@ -49,6 +49,11 @@ TINY_CONFIGS = {
 }
 
 
+def tiers(plan) -> tuple[set[int], set[int], set[int]]:
+    """A tier plan's (FULL, KEY_ONLY, dropped) entries."""
+    return tuple(set(t.tolist()) for t in (plan.keep_full, plan.keep_key_only, plan.dropped))
+
+
 def tiny_model(family: str, vocab_size: int, eos_token_id: int, seed: int = 0) -> PreTrainedModel:
     """A small random model; a wide initialisation keeps logits well separated (few near-ties)."""
     torch.manual_seed(seed)

@@ -19,7 +19,7 @@ from compression.kv_store import BLOCK_SIZE, Keep, KVStore
 from compression.quant import dequantize, quantize
 from compression.scoring import POLICIES, LayerEntries, ScorePolicy
 from compression.tiers import plan_tiers
-from tests.helpers import fill_store, greedy, make_engine, tiny_model, tokens_of
+from tests.helpers import fill_store, greedy, make_engine, tiers, tiny_model, tokens_of
 
 EVICTING = list(POLICIES)
 SETTINGS = {"sink_tokens": 4, "recent_window": 16, "compression_interval": 8, "score_interval": 2}
@@ -230,12 +230,12 @@ def test_an_entry_the_output_leans_on_is_raised_before_faint_ones_are_kept():
     budget = 200 * 6 + 2  # all as KEY_ONLY (6 bytes), not one more raised (4 more)
     errors = (Codec("int8", 64).relative_error, Codec("int4", 64).relative_error)
     spent = plan_tiers(scores, protected, 0, budget, 10, 6, True, value_errors=errors)
-    assert tiers_of(spent) == ({0}, set(range(1, 199)), {199})
+    assert tiers(spent) == ({0}, set(range(1, 199)), {199})
     counted = plan_tiers(scores, protected, 0, budget, 10, 6, True)
-    assert tiers_of(counted) == (set(), set(range(200)), set())
+    assert tiers(counted) == (set(), set(range(200)), set())
     scores[0] = 3.0
     even = plan_tiers(scores, protected, 0, budget, 10, 6, True, value_errors=errors)
-    assert tiers_of(even) == (set(), set(range(200)), set())
+    assert tiers(even) == (set(), set(range(200)), set())
 
 
 @settings(max_examples=300, deadline=None)
@@ -255,7 +255,7 @@ def test_the_budget_buys_the_most_value_per_byte(scores, errors, data):
     budget = data.draw(st.integers(0, 12 * n))
     s = torch.tensor(scores)
     plan = plan_tiers(s, protected, num_key_only, budget, 10, 6, True, value_errors=errors)
-    full, key_only, dropped = tiers_of(plan)
+    full, key_only, dropped = tiers(plan)
     ranked = torch.sort(s, descending=True, stable=True).indices  # as the plan ranks them, in float32
     may_keep = ~protected[ranked]
     floor = s[ranked][may_keep].square().mean() if bool(may_keep.any()) else 0.0
@@ -294,13 +294,9 @@ def test_the_compressor_raises_the_entries_attention_leans_on(model, tokenizer, 
     prefill = run_to_completion(engine)["r"][-1].tier_history.records[0]
     peaks = torch.arange(7, prefill.num_tokens - SETTINGS["recent_window"], 100)
     for layer in prefill.layers:
-        tiers = torch.from_numpy(np.repeat(*layer.tiers.reshape(-1, 2).T))
-        assert (tiers == KEY_ONLY).any()  # the budget binds
-        assert bool((tiers[peaks] == FULL).all()) == attention
-
-
-def tiers_of(plan) -> tuple[set[int], set[int], set[int]]:
-    return tuple(set(t.tolist()) for t in (plan.keep_full, plan.keep_key_only, plan.dropped))
+        held = torch.from_numpy(np.repeat(*layer.tiers.reshape(-1, 2).T))
+        assert (held == KEY_ONLY).any()  # the budget binds
+        assert bool((held[peaks] == FULL).all()) == attention
 
 
 def test_kv_store_tiers_account_exactly():

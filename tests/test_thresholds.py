@@ -15,14 +15,10 @@ from compression.config import Thresholds, resolve
 from compression.kv_store import BLOCK_SIZE
 from compression.scoring import POLICIES, LayerEntries, ScorePolicy
 from compression.tiers import plan_tiers, threshold_bytes
-from tests.helpers import greedy, make_engine, tiny_model
+from tests.helpers import greedy, make_engine, tiers, tiny_model
 
 FULL, KEY_ONLY = 10, 6  # bytes of an entry at each tier in these plans
 UNLIMITED = float("inf")
-
-
-def tiers(plan) -> tuple[set[int], set[int], set[int]]:
-    return tuple(set(t.tolist()) for t in (plan.keep_full, plan.keep_key_only, plan.dropped))
 
 
 def f32(x: float) -> float:
