@@ -36,7 +36,7 @@ class _Budget(NamedTuple):
     per_layer: float  # bytes per layer it may keep on average: the ceiling, or less where the thresholds judged so
     full_bytes: int  # of a FULL entry
     key_only_bytes: int  # of a KEY_ONLY entry
-    value_errors: tuple[float, float]  # relative error of a FULL and of a KEY_ONLY value as stored
+    value_errors: tuple[float, float]  # relative error of a FULL and of a KEY_ONLY value as stored; (0, 0): count first
     rounding: float  # a partial block of each of a layer's tables: what whole blocks may hold past `per_layer`
     judge: bool  # do the thresholds judge the request now (every layer)?
     rescore: bool  # is every layer scored now (to judge, or to share the bytes among layers afresh)?
@@ -475,7 +475,6 @@ class Compressor:
         for layer, kv, protected, scores, _, _ in judged:
             if not over[layer]:
                 continue
-            # Scores that are expected attention also say what a precise value is worth (`_spend`).
             plan = plan_tiers(
                 scores,
                 protected,
@@ -484,7 +483,7 @@ class Compressor:
                 full_bytes,
                 key_only_bytes,
                 state.policy.uses_tiers,
-                value_errors=budget.value_errors if state.policy.uses_attention else (0.0, 0.0),
+                value_errors=budget.value_errors,
             )
             if plan.dropped.numel() == 0 and plan.keep_key_only.numel() == kv.num_key_only:
                 continue
@@ -531,7 +530,10 @@ class Compressor:
         store = self.store
         rate = self.target_rate(state)
         codec = store.codec_of(seq_id)
-        sizes = (*store.entry_bytes(codec), store.value_errors(codec))
+        # Scores that are expected attention also say what a precise value is worth (`_spend`);
+        # others (positions, key norms) say nothing of it, and the plan keeps the count first.
+        errors = store.value_errors(codec) if state.policy.uses_attention else (0.0, 0.0)
+        sizes = (*store.entry_bytes(codec), errors)
         if rate <= 0.0:
             return _Budget(float("inf"), float("inf"), *sizes, 0.0, judge=False, rescore=False)
         per_token = store.model_token_bytes / store.num_layers

@@ -9,10 +9,12 @@ by score), else by score. The most each unprotected entry may keep is its limit:
 - without one, FULL for every entry: the budget alone decides.
 An entry that is KEY_ONLY already never goes back to FULL. The budget then buys, most value per byte
 first, two kinds of step: keeping an entry (best-ranked first, at KEY_ONLY for a tiering policy) and
-raising a kept one to FULL (up to its limit). Keeping is worth the entry's expected attention, less
-its KEY_ONLY value's error; raising, that attention times the error FULL removes. So the entries the
-output leans on (a fact being copied) get precise values before faint ones are kept, an entry is
-demoted only as far as the budget or its own confidence needs, and the lowest-ranked go first.
+raising a kept one to FULL (up to its limit). An entry moves the output by its attention times its
+error, and independent errors add as variances: keeping is worth the squared expected attention
+times what the KEY_ONLY value's error leaves of it, raising that square times the error FULL
+removes (see `_spend`). So the entries the output leans on (a fact being copied) get precise values
+before faint ones are kept, an entry is demoted only as far as the budget or its own confidence
+needs, and the lowest-ranked go first.
 Protected entries (attention sinks, the recent window) are always kept as they are.
 
 The compressor asks the thresholds only what they would keep (`threshold_bytes`, the bytes
