@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.engine import run_to_completion
+from benchmarks.inspect_render import tiers_by_position
 from compression.block_pool import Codec
 from compression.config import CompressionConfig, resolve
 from compression.history import FULL, KEY_ONLY
@@ -292,9 +293,9 @@ def test_the_compressor_raises_the_entries_attention_leans_on(model, tokenizer, 
     params = resolve(engine.compression_config, request, True, True, inspect=True)
     engine.add_request("r", prompt(tokenizer, 400), greedy(2), params)
     prefill = run_to_completion(engine)["r"][-1].tier_history.records[0]
-    peaks = torch.arange(7, prefill.num_tokens - SETTINGS["recent_window"], 100)
+    peaks = np.arange(7, prefill.num_tokens - SETTINGS["recent_window"], 100)
     for layer in prefill.layers:
-        held = torch.from_numpy(np.repeat(*layer.tiers.reshape(-1, 2).T))
+        held = tiers_by_position(layer.tiers)
         assert (held == KEY_ONLY).any()  # the budget binds
         assert bool((held[peaks] == FULL).all()) == attention
 
