@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -186,6 +187,9 @@ def main() -> None:
     if args.measure:
         print(json.dumps(measure(args.code_root, args.measure, args)))
         return
+    # Stopped, stop the measuring child too: subprocess.run kills its child on any exception, and
+    # SIGTERM otherwise ends this process alone and leaves the child spoiling later runs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     provenance = Provenance.capture()  # the code measured, before anything can change it
     commit = provenance.commit
     trees = {"this tree": ROOT}
