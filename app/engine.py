@@ -19,10 +19,10 @@ from app.model_runner import ModelRunner
 from app.outputs import Outputs, RequestOutput
 from app.sampler import SampleOutput, sample
 from app.scheduler import Scheduler, SchedulerOutput, SequenceListener
-from app.sequence import FinishReason, SamplingParams, Sequence
+from app.sequence import FinishReason, SamplingParams, ScheduledChunk, Sequence
 from compression.compressor import Compressor
 from compression.config import CompressionConfig, CompressionParams, resolve
-from compression.kv_store import KVStore
+from compression.kv_store import KVBudgetExceeded, KVStore
 from compression.predictor.calibration import Calibration, Source
 from compression.predictor.online import FutureValue, load_retention, predictor_path
 from compression.prefix_cache import PrefixCache
@@ -294,7 +294,9 @@ class LLMEngine:
                 confidence[seq.seq_id] = result.top_prob
                 self._append_token(seq, result)
         running = [seq for seq in sched.sequences if not seq.is_finished]
-        return self.compression.after_step(running, confidence)
+        started = time.perf_counter()
+        self._look_ahead(running)
+        return time.perf_counter() - started + self.compression.after_step(running, confidence)
 
     # ----- internals ---------------------------------------------------------------------
     def _park_prompts(self, sequences: list[Sequence]) -> None:
@@ -305,6 +307,38 @@ class LLMEngine:
         for seq in sequences:
             if seq.num_computed == seq.num_prompt_tokens and self.compression.compresses(seq.seq_id):
                 self.prefix_cache.park_prompt(seq.seq_id, seq.prompt_token_ids, seq.prefix_fingerprint)
+
+    def _look_ahead(self, sequences: list[Sequence]) -> None:
+        """Decode a few greedy tokens on the uncompressed cache of the sequences whose prefill just
+        ended (those that ask for `lookahead_tokens`), observing their attention, then forget them.
+        Their first compression then also sees what answering reads, which the prompt's own last
+        queries may not point at: a question attends to the words it shares with the fact, not to
+        the fact's answer after them (LAQ's lookahead queries)."""
+        ahead: dict[int, tuple[Sequence, int]] = {}
+        for seq in sequences:
+            steps = min(self.compression.lookahead(seq), self.max_model_len - seq.num_computed)
+            if steps > 0:
+                try:
+                    self.store.reserve(seq.seq_id, steps)
+                except KVBudgetExceeded:
+                    continue  # no room to look ahead: it compresses on its prompt's attention alone
+                ahead[seq.seq_id] = (seq, steps)
+        tokens = {seq_id: seq.token_ids[-1] for seq_id, (seq, _) in ahead.items()}
+        try:
+            for step in range(max((steps for _, steps in ahead.values()), default=0)):
+                chunks = [
+                    ScheduledChunk(seq_id, [tokens[seq_id]], seq.num_computed + step, needs_logits=True, observe=1)
+                    for seq_id, (seq, steps) in ahead.items()
+                    if step < steps
+                ]
+                logits = self.runner.run(chunks, observer=self.compression)
+                for chunk, token in zip(chunks, logits.argmax(dim=-1).tolist(), strict=True):
+                    tokens[chunk.seq_id] = token
+        except Exception:
+            log.exception("looking ahead failed for %d sequences; they compress on their prompts alone", len(ahead))
+        finally:
+            for seq, _ in ahead.values():
+                self.store.truncate(seq.seq_id, seq.num_computed)
 
     def _append_token(self, seq: Sequence, result: SampleOutput) -> None:
         if result.token_id is None:

@@ -110,6 +110,7 @@ class Setup:
     key_only_bits: int = 4  # the server's key_only_value_bits: what KEY_ONLY values are stored at
     key_rotation: bool = True  # the server's: quantised keys stored rotated (False: per token as they are)
     pooling: tuple[str, int] | None = None  # dynamic: its own pooling over neighbours, or (this kind, over this many)
+    lookahead: int = 0  # the server's lookahead_tokens: greedy tokens observed before the first compression
 
 
 @dataclass
@@ -159,6 +160,7 @@ def setups(
     key_only_bits: tuple[int, ...] = (),
     poolings: tuple[tuple[str, int], ...] = (),
     unrotated_keys: tuple[str, ...] = (),
+    lookahead: tuple[int, ...] = (),
 ) -> list[Setup]:
     """Uncompressed first (the others are scored against it), then what is asked for."""
     plan = [Setup("uncompressed", "auto", "none", 0.0)]
@@ -185,6 +187,7 @@ def setups(
             Setup(f"dynamic, {kind}-pooled over {size}", "int8", "dynamic", rate, pooling=(kind, size))
             for kind, size in poolings
         ]
+        plan += [Setup(f"dynamic, lookahead {k}", "int8", "dynamic", rate, lookahead=k) for k in lookahead]
         if ATTENTION_ONLY in labels:
             plan.append(Setup(ATTENTION_ONLY, "int8", "dynamic", rate, value_predictor=False))
         # The direction of model confidence: > 0 raises tokens sampled in doubt (dynamic's default),
@@ -271,6 +274,8 @@ def request_of(setup: Setup, interval: int | None = None) -> dict:
         request["thresholds"] = dict(zip(("high", "medium"), setup.thresholds, strict=True))
     if setup.layer_budget is not None:
         request["layer_budget"] = setup.layer_budget
+    if setup.lookahead:
+        request["lookahead_tokens"] = setup.lookahead
     if options:
         request["policy_options"] = {"dynamic": options}
     return {**request, "compression_interval": interval} if interval else request
@@ -540,6 +545,13 @@ def parse_args() -> argparse.Namespace:
         default=[],
         help="also dynamic at these storages (int8, int4) with keys quantised per token as they are (key_rotation off)",
     )
+    parser.add_argument(
+        "--lookahead",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also dynamic with these lookahead_tokens (greedy tokens observed before the first compression)",
+    )
     parser.add_argument("--no-forced", dest="forced", action="store_false", help="no teacher-forced fidelity")
     parser.add_argument("--peers", action="store_true", help="also run kvpress's presses (make bench-peers)")
     parser.add_argument("--presses", nargs="+", default=None, help="kvpress presses (default: all)")
@@ -590,6 +602,7 @@ def plan_of(args: argparse.Namespace) -> list[Setup]:
         tuple(args.key_only_bits),
         tuple(args.poolings),
         tuple(args.unrotated_keys),
+        tuple(args.lookahead),
     )
 
 

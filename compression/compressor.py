@@ -302,6 +302,14 @@ class Compressor:
         if dropped_mass is not None and layer in state.misses:
             self.future_value.misses.attended(state.misses[layer], dropped_mass, state.decode_steps)
 
+    def lookahead(self, seq: TrackedSequence) -> int:
+        """Tokens to decode ahead on the uncompressed cache, observed, before this sequence's
+        end-of-prefill compression (0: none, or not due now)."""
+        state = self.states.get(seq.seq_id)
+        if state is None or not state.params.active or state.prefilled or seq.seq_id not in self.store:
+            return 0
+        return state.params.lookahead_tokens if seq.num_computed >= len(seq.token_ids) - 1 else 0
+
     def after_step(self, sequences: list[TrackedSequence], sampled_confidence: dict[int, float]) -> float:
         """Compress every due sequence; return the seconds spent."""
         started = time.perf_counter()

@@ -90,6 +90,14 @@ class CompressionSettings(BaseModel):
     value_predictor: bool = Field(
         True, description="rank entries by the value predictor's forecast when one is loaded (policies that use it)"
     )
+    lookahead_tokens: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="tokens decoded greedily on the uncompressed cache at the end of prefill, only so that their "
+        "attention (what the answer reads) joins the prompt's in the first compression, then forgotten (LAQ's "
+        "lookahead queries): costs that many decode steps before the first token, no bytes",
+    )
     layer_budget: Literal["uniform", "pyramid", "adaptive"] = Field(
         "uniform",
         description="how a request's bytes are shared among layers: uniform (each layer holds as much), pyramid "

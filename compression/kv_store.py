@@ -595,13 +595,8 @@ class KVStore:
         self._storage[seq_id] = parked.codec
         slot = self._open_slot(seq_id)
         self._ensure_capacity(int(parked.lengths.max()))
-        keep = {}
-        for layer in range(self.num_layers):
-            n_ko = int(parked.key_only[layer])
-            held = (parked.meta["positions"][layer, : parked.lengths[layer]] < num_tokens).nonzero().flatten()
-            keep[layer] = Keep(full=held[held >= n_ko], key_only=held[held < n_ko])
         try:
-            self._rebuild(slot, parked, keep)
+            self._rebuild(slot, parked, _held_before(parked, num_tokens))
         except KVBudgetExceeded:
             self.free(seq_id)
             raise
@@ -610,6 +605,13 @@ class KVStore:
         if self.history_steps:
             self.meta["observed"][:, slot] = 0.0
             self.meta["forecast"][:, slot] = float("nan")
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Forget a running sequence's entries at positions >= num_tokens (tokens it decoded only to
+        look ahead); they do not count as evicted."""
+        slot = self._slots[seq_id]
+        source = self._snapshot(slot)
+        self._rebuild(slot, source, _held_before(source, num_tokens), charge=False)
 
     def free(self, seq_id: int, preempted: bool = False) -> int:
         """Drop a sequence's cache and return the bytes that became free.
@@ -895,6 +897,15 @@ class _RebuildPlan(NamedTuple):
     layouts: list[list[tuple[np.ndarray, int]]]  # per table kind: (source blocks shared in place, entries written)
     reads: list[list[np.ndarray]]  # per table kind, per layer: source rows copied as stored
     demoted: list[np.ndarray]  # per layer: source rows of FULL values that become KEY_ONLY (quantised now)
+
+
+def _held_before(source: ParkedKV, num_tokens: int) -> dict[int, Keep]:
+    """Every layer's entries of `source` at positions < num_tokens, in their tiers."""
+    keep = {}
+    for layer, (n, n_ko) in enumerate(zip(source.lengths.tolist(), source.key_only.tolist(), strict=True)):
+        held = (source.meta["positions"][layer, :n] < num_tokens).nonzero().flatten()
+        keep[layer] = Keep(full=held[held >= n_ko], key_only=held[held < n_ko])
+    return keep
 
 
 def _plan_rebuild(source: ParkedKV, keep: dict[int, Keep], bs: int) -> _RebuildPlan:

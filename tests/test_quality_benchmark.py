@@ -183,6 +183,16 @@ def test_the_confidence_ablation_sets_dynamics_doubt_weight():
     assert resolve(CompressionConfig(), quality.request_of(plan[3]), True, False).scorer().doubt_weight == 0.5
 
 
+def test_the_lookahead_rows_ask_the_server_to_look_ahead():
+    from compression.config import CompressionConfig, resolve
+
+    plan = quality.setups([0.95], ("dynamic",), uniform=(), lookahead=(8, 16))
+    ahead = [s for s in plan if s.lookahead]
+    assert [s.label for s in ahead] == ["dynamic, lookahead 8", "dynamic, lookahead 16"]
+    asked = [resolve(CompressionConfig(), quality.request_of(s), True, False).lookahead_tokens for s in plan]
+    assert asked == [0, 0, 8, 16]  # uncompressed, dynamic as shipped, then the two rows
+
+
 def test_long_answers_run_their_length_in_full(default_model, tokenizer):
     """The model-confidence ablation's answers: every summary exactly as long as asked, EOS ignored,
     so generated tokens leave the protected recent window."""
