@@ -152,7 +152,7 @@ bench-quality-long-held-out: model
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/quality.py --needle-lengths 4000 7000 --needles-from 36 --needles 24 --summaries 0 \
 		--perplexity-tokens 0 --no-forced --rates 0.875 0.95 0.97 --policies dynamic snapkv --baseline-storage int8 \
-		--dynamic-storages int8 kivi4 --poolings max:3 --no-uniform --out benchmarks/results/quality_long_held_out
+		--dynamic-storages int8 kivi4 --poolings max:3 --lookahead 16 --no-uniform --out benchmarks/results/quality_long_held_out
 
 bench-quality-prefix: model bench-peers
 	$(PY) -m pip install --quiet -e '.[bench]'

@@ -83,6 +83,7 @@ LONG = {  # --long: the frontier where the model's context ends and bytes are fe
     "kivi": [2, 4],
     "key_only_bits": [2],
     "poolings": [("max", 3)],  # dynamic's earlier default: against its previous version
+    "lookahead": [16],  # the answer's attention in the first compression (a restated question takes ~8 tokens)
     "fixed_rates": [0.875, 0.95, 0.97],  # the rate alone deciding, at the ceiling's bytes
     "peers": True,  # per-head budgets: kvpress's SnapKV with AdaKV's head-wise budgets and without
     "presses": ["SnapKV", "AdaKV(SnapKV)"],

@@ -254,6 +254,7 @@ def test_the_long_preset_puts_every_row_at_the_frontier(monkeypatch, tokenizer):
     scorer = resolve(CompressionConfig(), quality.request_of(previous), True, False).scorer()
     assert (scorer.pooling, scorer.kernel_size) == ("max", 3)
     assert {s.rate for s in plan if s.label == "dynamic, rate only"} == {0.875, 0.95, 0.97}
+    assert {s.lookahead for s in plan if s.label == "dynamic, lookahead 16"} == {16}
     rate_only_previous = [s for s in plan if s.label == "dynamic, rate only, max-pooled over 3"]
     assert {s.rate for s in rate_only_previous} == {0.875, 0.95, 0.97}
     options = quality.request_of(rate_only_previous[0])["policy_options"]["dynamic"]
