@@ -124,7 +124,7 @@ bench-peers: $(PEERS_STAMP)
 # (about 50 minutes); the direction of model confidence on long answers (about 40 minutes); documents
 # asked two questions through the prefix cache, with KVzip (about 15 minutes); the long-context frontier,
 # needles at 4k and 7k tokens at 3-12% of the bytes against TOVA, SnapKV and KIVI, with kvpress' SnapKV
-# with and without per-head budgets after our setups (about 50 minutes); and the same frontier on 24 needle
+# with and without per-head budgets after our setups (about 30 minutes); and the same frontier on 24 needle
 # cases that no other run uses, against SnapKV, dynamic's previous pooling and the kivi4 storage (about 90
 # minutes: each storage prefills every case once, about 26 minutes, and the setups after it reuse that).
 bench-quality: bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix \
