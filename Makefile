@@ -125,8 +125,9 @@ bench-peers: $(PEERS_STAMP)
 # asked two questions through the prefix cache, with KVzip (about 15 minutes); the long-context frontier,
 # needles at 4k and 7k tokens at 3-12% of the bytes against TOVA, SnapKV and KIVI, with kvpress' SnapKV
 # with and without per-head budgets after our setups (about 30 minutes); and the same frontier on 24 needle
-# cases that no other run uses, against SnapKV, dynamic's previous pooling and the kivi4 storage (about 90
-# minutes: each storage prefills every case once, about 26 minutes, and the setups after it reuse that).
+# cases that no other run uses, against SnapKV, dynamic's previous pooling and the kivi4 storage (about 50
+# minutes: the uncompressed row and the first setup of each storage prefill every case, 8-15 minutes each,
+# and the setups after them reuse that).
 bench-quality: bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix \
 	bench-quality-long bench-quality-long-held-out
 
