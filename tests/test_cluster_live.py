@@ -174,7 +174,8 @@ def test_a_replica_killed_under_locust_load_loses_no_request_and_comes_back(clus
 
     rows = list(csv.DictReader((tmp_path / "load_stats.csv").read_text().splitlines()))
     total = next(row for row in rows if row["Name"] == "Aggregated")
-    assert int(total["Request Count"]) >= 12
+    # The load really ran: as many requests as locust's users at least (how many more is the machine's speed).
+    assert int(total["Request Count"]) >= 6
     failures = list(csv.DictReader((tmp_path / "load_failures.csv").read_text().splitlines()))
     lost = [(f["Name"], f["Error"]) for f in failures if "replica serving this stream died" not in f["Error"]]
     assert not lost, lost  # only streams already under way may end, with the documented error event
