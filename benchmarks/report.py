@@ -148,7 +148,10 @@ def readme_block(name: str, results: Path = RESULTS, sections: tuple[str, ...] =
     state = " (with uncommitted changes)" if prov.uncommitted else ""
     lines = [f"*{source}: measured at {prov.commit}{state} on {prov.date} by `{prov.command}`.*"]
     if prov.historical:
-        lines.append(f"*Historical: {prov.historical} `{name}.json` is stale for today's code by design.*")
+        lines.append(
+            f"*Historical: {prov.historical} `{name}.json` is stale for today's code by design: the code it "
+            f"measures ({', '.join(prov.measures)}) has changed since {prov.commit}, and it is never re-run.*"
+        )
     elif prov.is_stale():
         lines.append(
             f"> **Stale:** `{name}.json` measured code ({', '.join(prov.measures)}) that has changed "
@@ -202,7 +205,14 @@ def main() -> None:
         sys.exit(0 if rendered == text else "README figures differ from benchmarks/results: run `make readme`")
     README.write_text(rendered)
     for match in _BLOCK.finditer(rendered):
-        state = "stale" if "**Stale:**" in match.group(0) else "current"
+        block = match.group(0)
+        state = (
+            "stale"
+            if "**Stale:**" in block
+            else "historical (stale by design)"
+            if "*Historical:" in block
+            else "current"
+        )
         print(f"{match['name']}: {state}")
 
 
