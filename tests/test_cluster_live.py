@@ -139,7 +139,8 @@ def test_a_replica_killed_under_locust_load_loses_no_request_and_comes_back(clus
 
     before = set(by_replica(cluster, "kv_cache_capacity_bytes"))
     out = tmp_path / "load"
-    load = threading.Thread(target=run.run_locust, args=(cluster, 6, 3, "30s", out))
+    users = 6
+    load = threading.Thread(target=run.run_locust, args=(cluster, users, 3, "30s", out))
     load.start()
     time.sleep(10)
     # Besides locust's short requests, whole answers that may be in flight on the victim (retried).
@@ -174,8 +175,8 @@ def test_a_replica_killed_under_locust_load_loses_no_request_and_comes_back(clus
 
     rows = list(csv.DictReader((tmp_path / "load_stats.csv").read_text().splitlines()))
     total = next(row for row in rows if row["Name"] == "Aggregated")
-    # The load really ran: as many requests as locust's users at least (how many more is the machine's speed).
-    assert int(total["Request Count"]) >= 6
+    # The load really ran: a request per user at least (how many more is the machine's speed).
+    assert int(total["Request Count"]) >= users
     failures = list(csv.DictReader((tmp_path / "load_failures.csv").read_text().splitlines()))
     lost = [(f["Name"], f["Error"]) for f in failures if "replica serving this stream died" not in f["Error"]]
     assert not lost, lost  # only streams already under way may end, with the documented error event
