@@ -15,6 +15,7 @@ import argparse
 import datetime
 import hashlib
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -29,6 +30,7 @@ README = ROOT / "README.md"
 # What the figures of a benchmark depend on: the server's code, its models and its configuration
 # (the benchmark scripts are the instrument, not what is measured).
 SERVER_CODE = ("app", "compression", "models", "config")
+SOURCE_SNAPSHOT_ENV = "CONFKV_SOURCE"
 _BLOCK = re.compile(r"(<!-- results (?P<name>[\w-]+)(?:: (?P<sections>[^>]+?))? -->\n).*?(<!-- /results -->)", re.S)
 _SECTION = re.compile(r"^(?=#### )", re.M)
 
@@ -48,14 +50,14 @@ class Provenance:
     @classmethod
     def capture(cls, measures: tuple[str, ...] = SERVER_CODE) -> Provenance:
         """The code as it stands now: call it when the benchmark starts, before anything can change."""
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", *measures], cwd=ROOT).returncode != 0
+        digest = code_digest(measures)
         return cls(
             commit=commit_of(),
             date=datetime.date.today().isoformat(),
             command=command_line(sys.argv),
             measures=tuple(measures),
-            code_digest=code_digest(measures),
-            uncommitted=dirty,
+            code_digest=digest,
+            uncommitted=digest != code_digest(measures, rev="HEAD"),
         )
 
     @classmethod
@@ -113,15 +115,25 @@ def pyplot() -> ModuleType:
 
 
 def commit_of(rev: str = "HEAD") -> str:
-    """The short hash of a git revision of this repository (what a result names as measured)."""
+    """The short hash of a git revision of this repository (what a result names as measured); in a
+    copy without git, the commit its source snapshot recorded (HEAD only)."""
+    if snapshot := source_snapshot():
+        if rev != "HEAD":
+            raise ValueError(f"{ROOT} is a copy without git: only HEAD ({snapshot['commit']}) is known, not {rev}")
+        return snapshot["commit"]
     return _git("rev-parse", "--short", rev).strip()
 
 
 def code_digest(paths: tuple[str, ...], rev: str | None = None, root: Path = ROOT) -> str:
     """A digest of the files git tracks under `paths`: in the working tree, or at git revision `rev`."""
-    if rev is None:
+    snapshot = source_snapshot() if root == ROOT else None
+    if snapshot:  # a copy without git: HEAD is what the snapshot recorded
+        committed = {path: blob for path, blob in snapshot["files"].items() if _under(path, paths)}
+        files = sorted(committed)
+        blobs = [committed[path] for path in files] if rev else [_blob(root / path) for path in files]
+    elif rev is None:
         files = sorted(_git("ls-files", "-z", "--", *paths, cwd=root).split("\0")[:-1])
-        blobs = _git("hash-object", "--stdin-paths", input="\n".join(files), cwd=root).split() if files else []
+        blobs = [_blob(root / path) for path in files]
     else:
         listing = _git("ls-tree", "-r", rev, "--", *paths, cwd=root)
         entries = sorted(line.split("\t", 1)[::-1] for line in listing.splitlines())
@@ -130,6 +142,35 @@ def code_digest(paths: tuple[str, ...], rev: str | None = None, root: Path = ROO
     for path, blob in zip(files, blobs, strict=True):
         digest.update(f"{path}\0{blob}\n".encode())
     return digest.hexdigest()[:16]
+
+
+def source_snapshot() -> dict | None:
+    """The commit and the blobs of every file git tracks at HEAD, as recorded by `snapshot_source()`
+    for a copy of this tree without git (file $CONFKV_SOURCE, e.g. on a machine the tree was copied
+    to); None in a git checkout, where git itself says."""
+    path = os.environ.get(SOURCE_SNAPSHOT_ENV)
+    if not path or (ROOT / ".git").exists():
+        return None
+    return json.loads(Path(path).read_text())
+
+
+def snapshot_source() -> dict:
+    """What `source_snapshot()` reads in a copy without git: the commit and every tracked file's blob at HEAD."""
+    listing = _git("ls-tree", "-r", "HEAD")
+    files = {line.split("\t", 1)[1]: line.split()[2] for line in listing.splitlines()}
+    return {"commit": commit_of(), "files": files}
+
+
+def _blob(path: Path) -> str:
+    """The git blob hash of a file's content (`git hash-object`), without git; "" for a deleted file."""
+    if not path.is_file():
+        return ""
+    data = path.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _under(path: str, paths: tuple[str, ...]) -> bool:
+    return any(path == p or path.startswith(p.rstrip("/") + "/") for p in paths)
 
 
 def readme_block(name: str, results: Path = RESULTS, sections: tuple[str, ...] = ()) -> str:

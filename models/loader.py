@@ -10,6 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from models.default_model import default_model_path
+from models.random_weights import build_random_model, has_random_weights
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,12 @@ def load_model(
         )
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else (getattr(config, "dtype", None) or torch.float32)
-    log.info("loading %s (%s) on %s as %s", path, config.model_type, device, dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    if has_random_weights(path):
+        log.info("building %s (%s) with random weights on %s as %s", path, config.model_type, device, dtype)
+        model = build_random_model(path, device, dtype).eval()
+    else:
+        log.info("loading %s (%s) on %s as %s", path, config.model_type, device, dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
 
