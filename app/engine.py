@@ -28,6 +28,8 @@ from compression.predictor.online import FutureValue, load_retention, predictor_
 from compression.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
+# The profiler's name for the compression after a step (lookahead included): its share of the step.
+COMPRESS_EVENT = "conf_kv::compress"
 
 
 @dataclass
@@ -294,9 +296,10 @@ class LLMEngine:
                 confidence[seq.seq_id] = result.top_prob
                 self._append_token(seq, result)
         running = [seq for seq in sched.sequences if not seq.is_finished]
-        started = time.perf_counter()
-        self._look_ahead(running)
-        return time.perf_counter() - started + self.compression.after_step(running, confidence)
+        with torch.profiler.record_function(COMPRESS_EVENT):
+            started = time.perf_counter()
+            self._look_ahead(running)
+            return time.perf_counter() - started + self.compression.after_step(running, confidence)
 
     # ----- internals ---------------------------------------------------------------------
     def _park_prompts(self, sequences: list[Sequence]) -> None:

@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.report import RESULTS, Provenance, add_placement_options, commit_of, save_report  # noqa: E402
 
 if TYPE_CHECKING:  # not imported here: `measure` imports the engine from the code it measures
+    import torch
+
     from app.engine import LLMEngine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,6 +69,7 @@ class DecodeSteps:
     def figures(self) -> dict:
         return {
             "median_step_ms": 1000 * statistics.median(self.durations),
+            "mean_step_ms": 1000 * statistics.mean(self.durations),
             "median_compression_ms": 1000 * statistics.median(self.compression),
             "mean_compression_ms": 1000 * statistics.mean(self.compression),
             "median_kv_mib": statistics.median(self.kv_bytes) / 2**20,
@@ -88,38 +91,56 @@ def measure(code_root: Path, setups: list[str], args: argparse.Namespace) -> dic
     device, dtype = torch.device(args.device), args.dtype and getattr(torch, args.dtype)
     seqs = args.seqs
     model, tokenizer, future_value = load_with_predictor(args.model_path, device=device, dtype=dtype)
+    tokens = args.steps + args.compressor_profile_steps  # the profiled steps are not timed
     engines = {  # one engine each, sharing the model
-        setup: decoding_engine(model, tokenizer, future_value, SETUPS[setup], seqs, args.prompt_tokens, args.steps)
+        setup: decoding_engine(model, tokenizer, future_value, SETUPS[setup], seqs, args.prompt_tokens, tokens)
         for setup in setups
     }
     decoded = {setup: DecodeSteps() for setup in setups}
-    bar = tqdm(total=len(setups) * seqs * args.steps, desc=code_root.name, leave=False)
+    shares: dict[str, dict] = {}
+    bar = tqdm(total=len(setups) * seqs * tokens, desc=code_root.name, leave=False)
     with torch.inference_mode(), bar:
         for engine in engines.values():  # prefill each, up to its first pure decode step
             while engine.last_step is None or engine.last_step.num_tokens != seqs:
                 advance(engine, bar, device)
         while any(engine.has_unfinished() for engine in engines.values()):
             for setup, engine in engines.items():
-                if args.profile and len(decoded[setup].durations) == args.steps // 2:
-                    return {"python_share": python_share(engine)}
+                halfway = len(decoded[setup].durations) == args.steps // 2
+                if args.profile and halfway:
+                    return {"python_share": python_share(engine, device)}
+                if args.compressor_profile_steps and halfway and setup not in shares:
+                    shares[setup] = compressor_share(engine, device, args.compressor_profile_steps)
+                    bar.update(seqs * args.compressor_profile_steps)
                 if engine.has_unfinished():
                     duration = advance(engine, bar, device)
                     if is_pure_decode(engine.last_step, seqs):
                         decoded[setup].record(engine, duration)
-    return {setup: run.figures() for setup, run in decoded.items()}
+    return {
+        setup: {**run.figures(), **({"compressor": shares[setup]} if setup in shares else {})}
+        for setup, run in decoded.items()
+    }
 
 
-def python_share(engine: LLMEngine, steps: int = 4) -> dict:
-    """Profile a few decode steps: the share of their wall time spent outside torch operators and
-    the decode kernel, i.e. in Python, dispatch and bookkeeping."""
+def profiled(engine: LLMEngine, steps: int, device: torch.device) -> tuple[list, float]:
+    """Run `steps` engine steps under torch's profiler (host activity: it needs no CUPTI): the
+    events, and the steps' wall time in microseconds (each step synchronised on CUDA)."""
+    import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             with record_function("engine_step"):
                 engine.step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
     events = prof.key_averages()
-    wall = sum(e.cpu_time_total for e in events if e.key == "engine_step")
+    return events, sum(e.cpu_time_total for e in events if e.key == "engine_step")
+
+
+def python_share(engine: LLMEngine, device: torch.device, steps: int = 4) -> dict:
+    """Profile a few decode steps: the share of their wall time spent outside torch operators and
+    the decode kernel, i.e. in Python, dispatch and bookkeeping."""
+    events, wall = profiled(engine, steps, device)
     # Operators' own time; the decode kernel is a named range (compression.paged_attention.KERNEL_EVENT)
     # whose own time is the kernel's.
     native = sum(e.self_cpu_time_total for e in events if e.key != "engine_step")
@@ -132,6 +153,22 @@ def python_share(engine: LLMEngine, steps: int = 4) -> dict:
         "kernel_ms": kernel / 1000 / steps,
         "matmul_ms": matmul / 1000 / steps,
         "share": 1 - native / wall,
+    }
+
+
+def compressor_share(engine: LLMEngine, device: torch.device, steps: int) -> dict:
+    """Profile `steps` decode steps (a whole number of compression intervals, so that compressing
+    steps count as often as they come): the share of their wall time the compressor takes, the
+    engine's `conf_kv::compress` range (on CUDA its wall time holds the device work it waits for)."""
+    from app.engine import COMPRESS_EVENT
+
+    events, wall = profiled(engine, steps, device)
+    compress = sum(e.cpu_time_total for e in events if e.key == COMPRESS_EVENT)
+    return {
+        "steps": steps,
+        "step_ms": wall / 1000 / steps,
+        "compressor_ms": compress / 1000 / steps,
+        "share": compress / wall,
     }
 
 
@@ -158,6 +195,8 @@ def run_tree(code_root: Path, setups: list[str], args: argparse.Namespace, profi
             *(["--dtype", args.dtype] if args.dtype else []),
             *(["--model-path", str(args.model_path)] if args.model_path else []),
             *(["--profile"] if profile else []),
+            "--compressor-profile-steps",
+            str(0 if profile else args.compressor_profile_steps),
         ],
         check=True,
         stdout=subprocess.PIPE,
@@ -179,6 +218,12 @@ def main() -> None:
     )
     parser.add_argument("--profile-seqs", type=int, default=0, help="also profile decode steps at this batch")
     parser.add_argument("--profile-prompt-tokens", type=int, default=512, help="prompt length of the profiled runs")
+    parser.add_argument(
+        "--compressor-profile-steps",
+        type=int,
+        default=0,
+        help="also profile this many decode steps of each setup halfway (not timed): the compressor's share",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "decode_step")
     parser.add_argument("--measure", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--code-root", type=Path, default=ROOT, help=argparse.SUPPRESS)
@@ -234,13 +279,37 @@ def table(data: dict, args: argparse.Namespace) -> str:
             "| --- | --- | ---: | ---: | ---: | ---: |",
         ]
     for tree, rows in data["results"].items():
-        off = rows.get("compression off", {}).get("median_step_ms")
+        off = rows.get("compression off", {})
         for setup, row in rows.items():
             step, engine = row["median_step_ms"], row["median_compression_ms"]
-            ratio = f"{step / off:.2f}x" if off else "-"
+            ratio = f"{step / off['median_step_ms']:.2f}x" if off else "-"
             mean = f" / {row['mean_compression_ms']:.1f}" if "mean_compression_ms" in row else ""  # older revisions
             kv = f"{row['median_kv_mib']:.0f} MiB" if "median_kv_mib" in row else "-"
             lines.append(f"| {tree} | {setup} | {step:.0f} ms | {ratio} | {engine:.1f}{mean} ms | {kv} |")
+    means = {
+        (tree, setup): row
+        for tree, rows in data["results"].items()
+        for setup, row in rows.items()
+        if "compressor" in row
+    }
+    if means:
+        lines += [
+            "",
+            "Every decode step counted, and the compressor's share of the step from torch's profiler (its "
+            "`conf_kv::compress` range over whole compression intervals of steps, profiled halfway and not "
+            "timed above):",
+            "",
+            "| code | setup | mean decode step | vs compression off | profiled step | compressor | share |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for (tree, setup), row in means.items():
+            off = data["results"][tree].get("compression off")
+            ratio = f"{row['mean_step_ms'] / off['mean_step_ms']:.2f}x" if off else "-"
+            p = row["compressor"]
+            lines.append(
+                f"| {tree} | {setup} | {row['mean_step_ms']:.1f} ms | {ratio} | {p['step_ms']:.1f} ms | "
+                f"{p['compressor_ms']:.1f} ms | {100 * p['share']:.1f}% |"
+            )
     if data["profiles"]:
         lines += [
             "",

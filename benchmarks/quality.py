@@ -56,7 +56,7 @@ from benchmarks.engine import load_with_predictor  # noqa: E402
 from benchmarks.report import RESULTS, Provenance, pyplot, save_report  # noqa: E402
 from benchmarks.tasks import fidelity_cases, needle_cases  # noqa: E402
 from compression.config import CompressionConfig, resolve  # noqa: E402
-from compression.library import DynamicKVCompressor  # noqa: E402
+from compression.library import DynamicKVCompressor, cache_keyword  # noqa: E402
 from compression.predictor.online import FutureValue  # noqa: E402
 from models.default_model import default_model_path  # noqa: E402
 
@@ -331,12 +331,12 @@ def forced(
     tokens = torch.tensor([ids])
     steps = []
     with compressor.attached(model):
-        logits = model(input_ids=tokens[:, :prefill], cache=compressor).logits[:, -1]
+        logits = model(input_ids=tokens[:, :prefill], **{cache_keyword(model): compressor}).logits[:, -1]
         for pos in tqdm(range(prefill, len(ids)), desc="forced", unit="tok", leave=False, disable=not progress):
             steps.append(torch.log_softmax(logits[0].float(), -1))
             if pos + 1 < len(ids):
                 compressor(tokens[:, : pos + 1], logits)  # the model's confidence, as generate would report
-                logits = model(input_ids=tokens[:, pos : pos + 1], cache=compressor).logits[:, -1]
+                logits = model(input_ids=tokens[:, pos : pos + 1], **{cache_keyword(model): compressor}).logits[:, -1]
         kept = compressor.metrics().compression_ratio
     return torch.stack(steps), kept
 

@@ -16,6 +16,7 @@ the batch at one row.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -121,7 +122,7 @@ class DynamicKVCompressor(Cache):
         processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
         processors.append(self)
         with self.attached(model):
-            return model.generate(input_ids, cache=self, logits_processor=processors, **kwargs)
+            return model.generate(input_ids, **{cache_keyword(model): self}, logits_processor=processors, **kwargs)
 
     @contextmanager
     def attached(self, model: PreTrainedModel) -> Iterator[DynamicKVCompressor]:
@@ -188,3 +189,9 @@ class DynamicKVCompressor(Cache):
         kwargs["position_ids"] = positions.unsqueeze(0)
         seq.num_computed += len(new)
         return args, kwargs
+
+
+def cache_keyword(model: PreTrainedModel) -> str:
+    """The keyword the model's forward and generate take a cache by: `cache` in transformers 5.24
+    (where `past_key_values` is deprecated), `past_key_values` in 5.17, which has no `cache`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
