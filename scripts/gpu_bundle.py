@@ -135,6 +135,7 @@ def build(out: Path) -> dict:
         for architecture in ARCHITECTURES:
             folder = out / "models" / f"{architecture}-random-0"
             write_random_model(architecture, folder, default_model_path())
+            write_random_predictor(folder)
             models[architecture] = str(folder.relative_to(out))
         bar.update()
         (out / "source.json").write_text(json.dumps(snapshot_source()))
@@ -154,6 +155,21 @@ def build(out: Path) -> dict:
         sys.exit(f"the bundle holds {manifest['bytes'] / 2**20:.1f} MiB, over {MAX_BYTES / 2**20:.0f} MiB")
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest
+
+
+def write_random_predictor(folder: Path) -> None:
+    """A value predictor with random weights in the model folder, of the embedded model's predictor's
+    configuration, so that the dynamic policy predicts (and costs) on the random-weight model as on a
+    trained one."""
+    from transformers import AutoConfig
+
+    from compression.predictor.model import load_predictor, model_fingerprint, random_predictor, save_predictor
+    from compression.predictor.online import PREDICTOR_FILE, predictor_path
+    from models.default_model import default_model_path
+
+    shipped = load_predictor(predictor_path(None), model_fingerprint(AutoConfig.from_pretrained(default_model_path())))
+    fingerprint = model_fingerprint(AutoConfig.from_pretrained(folder))
+    save_predictor(random_predictor(shipped), folder / PREDICTOR_FILE, fingerprint)
 
 
 def download(packages: dict[str, str], folder: Path) -> None:

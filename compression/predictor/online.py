@@ -25,6 +25,7 @@ from models.default_model import MODEL_NAME
 log = logging.getLogger(__name__)
 
 PREDICTOR_DIR = Path(__file__).resolve().parents[2] / "models" / "predictor"
+PREDICTOR_FILE = "value_predictor.safetensors"  # a model folder's own predictor, where it brings one
 
 
 @dataclass
@@ -106,7 +107,10 @@ class FutureValue:
 
 
 def predictor_path(model_path: Path | None) -> Path:
-    """Where a model's predictor lives: models/predictor/<model folder name>.safetensors."""
+    """Where a model's predictor lives: in its folder, where the folder brings one (PREDICTOR_FILE),
+    else models/predictor/<model folder name>.safetensors."""
+    if model_path is not None and (Path(model_path) / PREDICTOR_FILE).is_file():
+        return Path(model_path) / PREDICTOR_FILE
     return PREDICTOR_DIR / f"{model_path.name if model_path else MODEL_NAME}.safetensors"
 
 
