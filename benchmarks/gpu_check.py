@@ -81,10 +81,10 @@ class Plan:
 
 
 # An H200 (about 139 GiB): 64 x 4096 tokens of this model's KV are 32 GiB in bf16, the weights 16 GiB.
-# The limits add up to about 8 minutes, so that a failed run leaves time for a second try of a part.
+# The limits add up to 7 minutes, so that a lease of a quarter of an hour leaves time for a second try.
 GPU = Plan(
     "cuda", "bfloat16", "Llama-3.1-8B", seqs=64, prompt_tokens=4096, steps=32, profile_steps=16, fit=16,
-    requests=128, max_tokens=128, threads=os.cpu_count() or 16, limits={TESTS: 150, DECODE: 150, SERVING: 180},
+    requests=128, max_tokens=128, threads=os.cpu_count() or 16, limits={TESTS: 150, DECODE: 120, SERVING: 150},
 )  # fmt: skip
 DRY_RUN = Plan(
     "cpu", "float32", "SmolLM2-135M-Instruct", seqs=2, prompt_tokens=64, steps=4, profile_steps=4, fit=2,
