@@ -23,11 +23,13 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80
 _TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 _RATIO_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0, 1.5)
 _EVICTION_REASONS = ("compression", "preemption", "prefix_cache")
+_MAX_FIELD_LABELS = 64  # clients choose the names: a bound on the label's values
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._field_labels: set[str] = set()  # names ignored_fields counts under
         # Registered in this order, which is the order a scrape lists them in.
         self._add_request_metrics(self.registry)
         self._add_occupancy_metrics(self.registry)
@@ -40,6 +42,13 @@ class Metrics:
             "requests",
             "Finished requests by status (finish reason, or the HTTP code of a refusal)",
             ["status"],
+            registry=r,
+        )
+        self.ignored_fields = Counter(
+            "openai_ignored_fields",
+            f"Request fields the OpenAI routes did not know and ignored, by field (the first {_MAX_FIELD_LABELS} "
+            "names seen; later ones as 'other')",
+            ["field"],
             registry=r,
         )
         self.prompt_tokens = Counter("prompt_tokens", "Prompt tokens of finished requests", registry=r)
@@ -133,6 +142,13 @@ class Metrics:
 
     def bind_loop(self, runner: AsyncEngine) -> None:
         self.heartbeat.set_function(lambda: runner.heartbeat)
+
+    def count_ignored_fields(self, fields: list[str]) -> None:
+        """Count each ignored field under its name, or 'other' once _MAX_FIELD_LABELS names are in use."""
+        for name in fields:
+            if len(self._field_labels) < _MAX_FIELD_LABELS:
+                self._field_labels.add(name)
+            self.ignored_fields.labels(name if name in self._field_labels else "other").inc()
 
     def set_slo(self, ttft_seconds: float, tpot_seconds: float, min_requests: int) -> None:
         self.slo_target.labels("ttft").set(ttft_seconds)

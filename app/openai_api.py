@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, TypeVar
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 
 from app.openai_protocol import (
     ChatCompletionRequest,
@@ -14,6 +14,10 @@ from app.openai_protocol import (
     ModelList,
 )
 from app.openai_serving import OpenAIService
+from app.serving import PreparedRequest
+
+IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
+_R = TypeVar("_R", bound=Response)
 
 router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
 
@@ -31,16 +35,25 @@ async def models(service: Service) -> ModelList:
 
 
 @router.post("/completions", response_model=CompletionResponse, response_model_exclude_none=True)
-async def completions(body: CompletionRequest, request: Request, service: Service):
+async def completions(body: CompletionRequest, request: Request, response: Response, service: Service):
     prepared = await service.prepare_completion(body)
     if body.stream:
-        return service.completion_stream(body, prepared)
+        return _reporting_ignored(service.completion_stream(body, prepared), prepared)
+    _reporting_ignored(response, prepared)
     return await service.completion(body, prepared, request)
 
 
 @router.post("/chat/completions", response_model=ChatCompletionResponse, response_model_exclude_none=True)
-async def chat_completions(body: ChatCompletionRequest, request: Request, service: Service):
+async def chat_completions(body: ChatCompletionRequest, request: Request, response: Response, service: Service):
     prepared = await service.prepare_chat(body)
     if body.stream:
-        return service.chat_stream(body, prepared)
+        return _reporting_ignored(service.chat_stream(body, prepared), prepared)
+    _reporting_ignored(response, prepared)
     return await service.chat(body, prepared, request)
+
+
+def _reporting_ignored(response: _R, prepared: PreparedRequest) -> _R:
+    """`response` naming the request's fields this server ignored, if any, in IGNORED_FIELDS_HEADER."""
+    if prepared.ignored_fields:
+        response.headers[IGNORED_FIELDS_HEADER] = ", ".join(prepared.ignored_fields)
+    return response

@@ -1,9 +1,13 @@
 """The OpenAI-compatible contract: /v1/completions, /v1/chat/completions and /v1/models.
 
-Fields follow OpenAI's API reference. Fields that OpenAI defines but this server does not
-implement are accepted only at their neutral value (a clear 400 names them otherwise), so a
-client never gets silently different behaviour. Our extensions (`compression`,
-`compression_stats`) are extra body fields; `compression_metrics` comes back as an extra field.
+Fields follow OpenAI's API reference, with vLLM's extensions where clients of that ecosystem send
+them. Fields that OpenAI defines but this server does not implement are accepted only at their
+neutral value (a clear 400 names them otherwise), so a client never gets silently different
+behaviour. A field nobody defines (a newer client's, another server's extension) is ignored, as
+vLLM does, and reported: the `X-Ignored-Fields` response header, a warning in the log and
+`openai_ignored_fields_total{field}`; `--openai-unknown-fields reject` makes it a 400 instead. Our
+extensions (`compression`, `compression_stats`) are extra body fields, checked strictly;
+`compression_metrics` comes back as an extra field.
 """
 
 from __future__ import annotations
@@ -15,15 +19,29 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 from app.schemas import CompressionMetricsModel, CompressionOptions
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Lenient(BaseModel):
+    """A request object as clients send it: fields it does not define are kept aside, unused, so
+    that the route can report them (`ignored_fields`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def ignored_fields(self, prefix: str = "") -> list[str]:
+        """The fields given that this object and the objects in it do not define, dotted, sorted."""
+        names = {f"{prefix}{name}" for name in self.model_extra or {}}
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            for item in value if isinstance(value, list) else [value]:
+                if isinstance(item, _Lenient):
+                    names.update(item.ignored_fields(f"{prefix}{name}."))
+        return sorted(names)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Lenient):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, usage in every chunk")
 
 
-class _SamplingRequest(_Strict):
+class _SamplingRequest(_Lenient):
     """What completions and chat completions share."""
 
     model: str = Field(description="the served model's name (GET /v1/models)")
@@ -82,6 +100,11 @@ class _SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk (vLLM's `continuous_usage_stats`, which needs `include_usage`)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingRequest:
         if self.stream_options is not None and not self.stream:
@@ -126,12 +149,12 @@ class CompletionRequest(_SamplingRequest):
         return value
 
 
-class TextPart(_Strict):
+class TextPart(_Lenient):
     type: Literal["text"]
     text: str
 
 
-class ChatCompletionMessage(_Strict):
+class ChatCompletionMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] = Field(description="text, or text parts (other part types are not supported)")
     name: str | None = None
@@ -141,7 +164,7 @@ class ChatCompletionMessage(_Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(_Lenient):
     type: Literal["text"] = Field(description="only text; JSON modes are not supported")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
@@ -37,6 +38,8 @@ from app.outputs import RequestOutput
 from app.sampler import TokenLogprob
 from app.schemas import ChatMessage, GenerateRequest
 from app.serving import APIError, GenerateService, PreparedRequest
+
+log = logging.getLogger(__name__)
 
 _Built = TypeVar("_Built", CompletionResponse, ChatCompletionResponse, CompletionChunk, ChatCompletionChunk)
 
@@ -122,6 +125,18 @@ class OpenAIService:
                 "model_not_found",
                 f"model: {req.model!r} is not served here; this server serves {self.model_name!r} (GET /v1/models)",
             )
+        ignored = req.ignored_fields()
+        if ignored and self.service.settings.openai_unknown_fields == "reject":
+            self.service.metrics.requests.labels("400").inc()  # as every invalid request is counted
+            raise APIError(
+                400,
+                "invalid_request",
+                f"{ignored[0]}: unknown field; leave it out (this server runs with --openai-unknown-fields reject)",
+                param=ignored[0],
+            )
+        if ignored:
+            log.warning("request fields ignored (not known to this server): %s", ", ".join(ignored))
+            self.service.metrics.count_ignored_fields(ignored)
         generate = GenerateRequest(
             **prompt,
             max_tokens=max_tokens,
@@ -134,7 +149,9 @@ class OpenAIService:
             ignore_eos=req.ignore_eos,
             timeout=req.timeout,
         )
-        return await self.service.prepare(generate, logprobs=logprobs, id_prefix=prefix)
+        prepared = await self.service.prepare(generate, logprobs=logprobs, id_prefix=prefix)
+        prepared.ignored_fields = tuple(ignored)
+        return prepared
 
     def _build(self, cls: type[_Built], prepared: PreparedRequest, choices: list, **extra) -> _Built:
         return cls(id=prepared.request_id, created=int(time.time()), model=self.model_name, choices=choices, **extra)
@@ -153,7 +170,8 @@ class OpenAIService:
     ) -> AsyncIterator[str]:
         """SSE data: a chunk per piece of text, then (with include_usage) a usage chunk, then [DONE].
 
-        Usage and compression_metrics ride on the last chunk before [DONE].
+        Usage and compression_metrics ride on the last chunk before [DONE]; with continuous usage,
+        usage so far rides on every chunk too.
         """
         if opening is not None:
             yield _dump(self._build(cls, prepared, [opening]))
@@ -163,10 +181,11 @@ class OpenAIService:
             if out.error is not None:
                 yield _stream_error(out)
                 break
+            usage = {"usage": _usage(out)} if req.continuous_usage else {}
             if not out.finished:
-                yield _dump(self._build(cls, prepared, [choice_of(out)]))
+                yield _dump(self._build(cls, prepared, [choice_of(out)], **usage))
             elif req.include_usage:
-                yield _dump(self._build(cls, prepared, [choice_of(out)]))
+                yield _dump(self._build(cls, prepared, [choice_of(out)], **usage))
                 yield _dump(self._build(cls, prepared, [], **self._final(prepared, out)))
             else:
                 yield _dump(self._build(cls, prepared, [choice_of(out)], **self._final(prepared, out)))

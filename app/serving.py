@@ -46,6 +46,7 @@ class PreparedRequest:
     compression: CompressionParams
     arrival: float
     prompt_text: str | None = None  # as given, or as the chat template rendered it; None for token ids
+    ignored_fields: tuple[str, ...] = ()  # what the request gave that this server does not know
 
     def metrics_of(self, out: RequestOutput) -> CompressionMetricsModel | None:
         if not self.compression.stats or out.compression_metrics is None:

@@ -147,6 +147,11 @@ class Settings(BaseSettings):
     api_key_file: Path | None = Field(None, description="file with one accepted API key per line")
     public_metrics: bool = Field(False, description="with API keys, leave /metrics open (for Prometheus)")
     max_request_bytes: int = Field(2**20, ge=1024, description="larger request bodies get 413")
+    openai_unknown_fields: Literal["ignore", "reject"] = Field(
+        "ignore",
+        description="fields of an OpenAI-route request this server does not know: ignore (reported in the "
+        "X-Ignored-Fields header, the log and openai_ignored_fields_total, as vLLM ignores them) or reject (400)",
+    )
     cors_allow_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS; none: CORS off")
     ray: CliImplicitFlag[bool] = Field(
         False, description="serve through Ray Serve replicas behind one ingress (pip install .[distributed])"

@@ -142,3 +142,14 @@ def test_other_streams_keep_flowing_while_a_long_prompt_is_tokenized(tiny_model_
     during = [started, *(t for t in arrivals if started < t < finished), finished]
     assert len(during) > 10, "the stream delivered (almost) nothing while the long prompt was tokenized"
     assert max(b - a for a, b in zip(during, during[1:], strict=False)) < (finished - started) / 2
+
+
+def test_unknown_openai_fields_are_refused_when_the_server_says_so(tiny_model_dir):
+    settings = Settings(model_path=tiny_model_dir, max_cache_size="64", torch_threads=1, openai_unknown_fields="reject")
+    with TestClient(create_app(settings)) as client:
+        body = {"model": tiny_model_dir.name, "prompt": "Hello", "max_tokens": 2, "stream_options": None}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        refused = client.post("/v1/completions", json={**body, "guided_json": {}})
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "guided_json" and "reject" in refused.json()["error"]["message"]
+        assert metric(client, 'requests_total{status="400"}') == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import httpx
@@ -138,7 +139,6 @@ def test_logprobs_chat_and_completion(client):
         ({"n": 2}, "n"),
         ({"temperature": 3.0}, "temperature"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"extra_body": {"bogus": 1}}, "bogus"),
         ({"extra_body": {"compression": {"policy": "magic"}}}, "compression.policy"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
         ({"top_logprobs": 2}, "body"),
@@ -152,6 +152,57 @@ def test_bad_chat_requests_get_openai_errors_naming_the_field(client, kwargs, pa
     assert caught.value.status_code == 400
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert param.split(".")[-1] in error["message"] or param == "body"
+
+
+def test_fields_nobody_defines_are_ignored_and_reported(client, server):
+    """A field this server does not know (a newer client's, vLLM's `guided_json`, a typo) never fails a
+    request, as vLLM ignores it; the response names it, and a counter counts it. Our own extension
+    objects stay strict."""
+    with contextlib.suppress(KeyError):  # not exported before its first count
+        before = 0.0
+        before = server.metric("openai_ignored_fields_total", '{field="guided_json"}')
+    got = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi", "tool_calls": None}],
+        max_tokens=2,
+        extra_body={"guided_json": {"type": "object"}, "stream_options": None, "priority": 1},
+    )
+    assert got.status_code == 200 and got.parse().choices[0].finish_reason == "length"
+    assert got.headers["x-ignored-fields"] == "guided_json, messages.tool_calls, priority"
+    assert server.metric("openai_ignored_fields_total", '{field="guided_json"}') == before + 1
+    known = client.completions.with_raw_response.create(model=MODEL, prompt="One,", max_tokens=2)
+    assert "x-ignored-fields" not in known.headers
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="One,", max_tokens=2, extra_body={"compression": {"rat": 0.5}})
+    assert caught.value.body["param"] == "compression.rat"
+
+
+def test_continuous_usage_stats_put_usage_on_every_chunk(client):
+    """vLLM's extension, which guidellm sends: usage so far on every chunk, then the usage chunk."""
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="One, two, three,",
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        )
+    )
+    content, last = [c for c in chunks if c.choices], chunks[-1]
+    assert not last.choices and last.usage.completion_tokens == 6
+    counts = [c.usage.completion_tokens for c in content]
+    assert (
+        counts == sorted(counts)
+        and counts[-1] == 6
+        and all(c.usage.prompt_tokens == last.usage.prompt_tokens for c in content)
+    )
+    plain = list(
+        client.completions.create(
+            model=MODEL, prompt="One,", max_tokens=3, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert all(c.usage is None for c in plain if c.choices) and plain[-1].usage.completion_tokens == 3
 
 
 def test_unknown_model_and_oversized_prompts(client):
