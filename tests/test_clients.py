@@ -1,0 +1,149 @@
+"""The ecosystem's clients, unchanged, against the live server: LangChain's ChatOpenAI, LiteLLM,
+lm-eval's local-completions and local-chat-completions, and guidellm. Each is installed from PyPI at
+the version pyproject pins; none of their requests may be refused or have a field ignored."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from models.default_model import FOLDER_NAME
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.slow
+
+MODEL = FOLDER_NAME  # the server is started with --model-path: the model is named after its folder
+QUESTION = "Name three colours of the rainbow."
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+
+
+@pytest.fixture(autouse=True)
+def nothing_refused_or_ignored(server):
+    """Every request a client sends in a test is answered 200 and has no field ignored."""
+    before = _requests_by_status(server.url)
+    yield
+    after = _requests_by_status(server.url)
+    refused = {status: n - before.get(status, 0) for status, n in after.items() if status.isdigit()}
+    assert not {status: n for status, n in refused.items() if n}, f"requests refused: {refused}"
+    ignored = [line for line in httpx.get(f"{server.url}/metrics").text.splitlines() if "ignored_fields_total{" in line]
+    assert not ignored, ignored
+
+
+def _requests_by_status(url: str) -> dict[str, float]:
+    counts = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("requests_total{"):
+            labels, value = line.rsplit(" ", 1)
+            counts[labels.split('"')[1]] = float(value)
+    return counts
+
+
+def test_langchain_chat_openai_invokes_and_streams(server):
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(
+        model=MODEL, base_url=f"{server.url}/v1", api_key="unused", max_tokens=8, temperature=0, max_retries=0
+    )
+    answer = chat.invoke(QUESTION)
+    assert answer.content and answer.response_metadata["finish_reason"] == "length"
+    assert answer.usage_metadata["output_tokens"] == 8 and answer.usage_metadata["input_tokens"] > 8
+    chunks = list(chat.stream(QUESTION))
+    assert "".join(chunk.content for chunk in chunks) == answer.content  # greedy: the same answer
+    assert [c.usage_metadata["output_tokens"] for c in chunks if c.usage_metadata] == [8]
+
+
+def test_litellm_completion_streams_and_text_completion(server, monkeypatch):
+    for name, value in OFFLINE.items():
+        monkeypatch.setenv(name, value)
+    import litellm
+
+    where = {"model": f"openai/{MODEL}", "api_base": f"{server.url}/v1", "api_key": "unused", "temperature": 0}
+    messages = [{"role": "user", "content": QUESTION}]
+    answer = litellm.completion(messages=messages, max_tokens=8, **where)
+    assert answer.choices[0].message.content and answer.usage.completion_tokens == 8
+    stream = litellm.completion(
+        messages=messages, max_tokens=8, stream=True, stream_options={"include_usage": True}, **where
+    )
+    parts = list(stream)
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == answer.choices[0].message.content
+    assert parts[-1].usage.completion_tokens == 8
+    text = litellm.text_completion(prompt="One, two, three,", max_tokens=5, **where)
+    assert text.choices[0].text.strip()
+
+
+@pytest.fixture(scope="module")
+def sums_task(tmp_path_factory) -> Path:
+    """A generate_until task of lm-eval's, from a local file (nothing downloaded)."""
+    folder = tmp_path_factory.mktemp("lm-eval-task")
+    rows = [{"question": f"{a} plus {b} equals", "answer": str(a + b)} for a, b in ((1, 1), (2, 3), (4, 4), (5, 2))]
+    (folder / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (folder / "sums.yaml").write_text(
+        "task: confkv_sums\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {folder / 'data.jsonl'}\n"
+        "test_split: test\n"
+        "output_type: generate_until\n"
+        'doc_to_text: "{{question}}"\n'
+        'doc_to_target: "{{answer}}"\n'
+        "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 8\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+    )
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("model", "route", "flags"),
+    [
+        # Completions: text in (lm-eval's tokenizer, a local folder, only counts tokens).
+        ("local-completions", "completions", []),
+        ("local-chat-completions", "chat/completions", ["--apply_chat_template"]),
+    ],
+)
+def test_lm_eval_runs_a_task_through_the_openai_routes(server, default_path, sums_task, tmp_path, model, route, flags):
+    args = f"model={MODEL},base_url={server.url}/v1/{route},num_concurrent=2,max_retries=1"
+    if model == "local-completions":
+        args += f",tokenizer={default_path},tokenized_requests=False"
+    run = subprocess.run(
+        [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", args, "--tasks", "confkv_sums"]
+        + ["--include_path", str(sums_task), "--output_path", str(tmp_path), "--log_samples", *flags],
+        cwd=ROOT,
+        env={**os.environ, **OFFLINE},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    samples = [json.loads(line) for path in tmp_path.rglob("samples_confkv_sums_*.jsonl") for line in path.open()]
+    assert len(samples) == 4 and all(sample["resps"][0][0].strip() for sample in samples)
+    results = json.loads(next(tmp_path.rglob("results_*.json")).read_text())
+    assert 0.0 <= results["results"]["confkv_sums"]["exact_match,none"] <= 1.0
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_guidellm_benchmarks_the_server(server, default_path, tmp_path, route):
+    """`guidellm run` as its users run it: synthetic prompts, a concurrent profile, a request limit.
+    It streams with vLLM's `continuous_usage_stats` and counts tokens from the server's usage."""
+    report = tmp_path / "guidellm.json"
+    run = subprocess.run(
+        [str(Path(sys.executable).with_name("guidellm")), "run", "--disable-console-interactive"]
+        + ["--backend", f"kind=openai_http,target={server.url},model={MODEL},request_format={route}"]
+        + ["--profile", "kind=concurrent,streams=2", "--constraint", "kind=max_requests,count=6"]
+        + ["--data", "kind=synthetic_text,prompt_tokens=64,output_tokens=16"]
+        + ["--tokenizer", f"kind=huggingface_auto,model={default_path}", "--output", f"kind=json,path={report}"],
+        cwd=tmp_path,
+        env={**os.environ, **OFFLINE},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    metrics = json.loads(report.read_text())["benchmarks"][0]["metrics"]
+    assert metrics["request_totals"]["successful"] == 6 and metrics["request_totals"]["errored"] == 0
+    assert metrics["output_token_count"]["successful"]["total_sum"] == 6 * 16
+    assert metrics["prompt_token_count"]["successful"]["total_sum"] >= 6 * 64
