@@ -13,26 +13,38 @@ class IncrementalDetokenizer:
     known not to be one, so a client never sees part of a stop string.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: tuple[str, ...] = (),
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._stop = stop
+        self._include_stop = include_stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._checked = 0  # the text's length at the last token: a stop string must end past it
         self.text = ""
         self._sent = 0
 
-    def add(self, token_id: int) -> bool:
-        """Add one token; return True when a stop string was found (the text is cut before it)."""
+    def add(self, token_id: int, check_stop: bool = True) -> bool:
+        """Add one token; return True when a stop string was found (the text is cut before it, or
+        after it where asked). Without `check_stop` (a request below its min_tokens) a stop string
+        in the new text does not count."""
         piece = self._stream.step(self._tokenizer, token_id)
-        if not piece:
+        self.text += piece or ""
+        search_from = max(0, self._checked - self._holdback)  # a stop string may straddle the pieces
+        self._checked = len(self.text)
+        if not check_stop or not self._stop:
             return False
-        search_from = max(0, len(self.text) - self._holdback)
-        self.text += piece
-        hits = [i for i in (self.text.find(s, search_from) for s in self._stop) if i != -1]
-        if hits:
-            self.text = self.text[: min(hits)]
-            return True
-        return False
+        hits = [(i, len(s)) for s in self._stop if (i := self.text.find(s, search_from)) != -1]
+        if not hits:
+            return False
+        start, length = min(hits)
+        self.text = self.text[: start + length * self._include_stop]
+        return True
 
     def delta(self, final: bool) -> str:
         """Text not yet sent; while not final, keep back what could begin a stop string."""

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from app.listeners import CompressionListener, PrefixCacheListener
 from app.model_runner import ModelRunner
 from app.outputs import Outputs, RequestOutput
-from app.sampler import SampleOutput, sample
+from app.sampler import History, SampleOutput, sample
 from app.scheduler import Scheduler, SchedulerOutput, SequenceListener
 from app.sequence import FinishReason, SamplingParams, ScheduledChunk, Sequence
 from compression.compressor import Compressor
@@ -291,7 +291,10 @@ class LLMEngine:
         self._park_prompts(sched.sequences)
         confidence: dict[int, float] = {}
         if sampled:
-            results = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
+            params = [s.params for s in sampled]
+            looks_back = any(p.repetition_penalty != 1.0 or p.min_tokens for p in params)
+            histories = [self._history(s) for s in sampled] if looks_back else None
+            results = sample(logits, params, [s.generator for s in sampled], histories)
             for seq, result in zip(sampled, results, strict=True):
                 confidence[seq.seq_id] = result.top_prob
                 self._append_token(seq, result)
@@ -343,6 +346,10 @@ class LLMEngine:
             for seq, _ in ahead.values():
                 self.store.truncate(seq.seq_id, seq.num_computed)
 
+    def _history(self, seq: Sequence) -> History:
+        ends = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids)
+        return History(seq.token_ids, len(seq.output_token_ids), frozenset(ends))
+
     def _append_token(self, seq: Sequence, result: SampleOutput) -> None:
         if result.token_id is None:
             self.scheduler.finish(seq, FinishReason.ERROR, result.error)
@@ -350,7 +357,7 @@ class LLMEngine:
         token = result.token_id
         seq.token_ids.append(token)
         reason = None
-        if token in self.eos_token_ids and not seq.params.ignore_eos:
+        if (token in self.eos_token_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
             reason = FinishReason.STOP
         else:
             try:

@@ -54,6 +54,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
 
 def _reporting_ignored(response: _R, prepared: PreparedRequest) -> _R:
     """`response` naming the request's fields this server ignored, if any, in IGNORED_FIELDS_HEADER."""
-    if prepared.ignored_fields:
-        response.headers[IGNORED_FIELDS_HEADER] = ", ".join(prepared.ignored_fields)
+    if prepared.ignored_fields:  # each name printable ASCII; at most a kilobyte in all
+        response.headers[IGNORED_FIELDS_HEADER] = ", ".join(prepared.ignored_fields)[:1024]
     return response

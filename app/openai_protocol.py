@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 
 from app.schemas import CompressionMetricsModel, CompressionOptions
 
+MAX_FIELD_NAME = 64  # characters of an ignored field's name that are reported
+
 
 class _Lenient(BaseModel):
     """A request object as clients send it: fields it does not define are kept aside, unused, so
@@ -26,14 +28,20 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     def ignored_fields(self, prefix: str = "") -> list[str]:
-        """The fields given that this object and the objects in it do not define, dotted, sorted."""
-        names = {f"{prefix}{name}" for name in self.model_extra or {}}
+        """The fields given that this object and the objects in it do not define, dotted, sorted; in
+        printable ASCII, escaped as Python escapes strings, and cut at MAX_FIELD_NAME characters, since
+        they go into a header, the log and a metric label."""
+        names = {f"{prefix}{_printable(name)}" for name in self.model_extra or {}}
         for name in type(self).model_fields:
             value = getattr(self, name)
             for item in value if isinstance(value, list) else [value]:
                 if isinstance(item, _Lenient):
                     names.update(item.ignored_fields(f"{prefix}{name}."))
         return sorted(names)
+
+
+def _printable(name: str) -> str:
+    return name.encode("unicode_escape", "backslashreplace").decode("ascii")[:MAX_FIELD_NAME]
 
 
 class StreamOptions(_Lenient):
@@ -59,7 +67,15 @@ class _SamplingRequest(_Lenient):
     logit_bias: dict[str, float] | None = Field(None, description="not supported")
     compression: CompressionOptions | None = None
     compression_stats: bool = False
-    ignore_eos: bool = False  # extension, as vLLM's: generate up to max_tokens
+    # vLLM's extensions, with vLLM's meaning.
+    ignore_eos: bool = False  # generate up to max_tokens
+    top_k: int = Field(0, ge=-1, description="vLLM's: 0 or -1 mean no top-k cut")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=64)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     timeout: float | None = Field(None, gt=0.0, le=86400.0, description="extension: seconds until finish timeout")
 
     @field_validator("stop")
@@ -117,7 +133,7 @@ class CompletionRequest(_SamplingRequest):
         description="text or token ids; a list holds one prompt (send one request per prompt)"
     )
     logprobs: int | None = Field(None, ge=0, le=20, description="log-probabilities of the sampled and top tokens")
-    echo: bool = Field(False, description="not supported: only false")
+    echo: bool = Field(False, description="the prompt's text before the completion (without logprobs)")
     suffix: str | None = Field(None, description="not supported")
     best_of: int | None = Field(None, ge=1, le=1, description="only 1")
 
@@ -134,12 +150,13 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("token ids must not be negative")
         return value
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported; leave it false")
-        return value
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise ValueError(
+                "echo with logprobs needs the prompt's log-probabilities, which this server does not compute"
+            )
+        return self
 
     @field_validator("suffix")
     @classmethod

@@ -70,7 +70,7 @@ class OpenAIService:
     async def completion(self, req: CompletionRequest, prepared: PreparedRequest, http: Request) -> CompletionResponse:
         outputs = await self.service.run(prepared, http)
         choice = CompletionChoice(
-            text="".join(o.delta_text for o in outputs),
+            text=self._echoed(req, prepared) + "".join(o.delta_text for o in outputs),
             logprobs=self._completion_logprobs(outputs) if req.logprobs is not None else None,
             finish_reason=outputs[-1].finish_reason,
         )
@@ -85,7 +85,18 @@ class OpenAIService:
             offset += len(out.delta_text)
             return CompletionChoice(text=out.delta_text, logprobs=logprobs, finish_reason=out.finish_reason)
 
-        return self.service.event_stream(prepared, self._stream(CompletionChunk, req, prepared, choice))
+        opening = CompletionChoice(text=self._echoed(req, prepared)) if req.echo else None
+        return self.service.event_stream(prepared, self._stream(CompletionChunk, req, prepared, choice, opening))
+
+    def _echoed(self, req: CompletionRequest, prepared: PreparedRequest) -> str:
+        """The prompt's text where `echo` asks for it (token ids decoded), else nothing."""
+        if not req.echo:
+            return ""
+        return (
+            prepared.prompt_text
+            if prepared.prompt_text is not None
+            else self.tokenizer.decode(prepared.prompt_token_ids)
+        )
 
     # ----- chat completions --------------------------------------------------------------
     async def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
@@ -148,6 +159,13 @@ class OpenAIService:
             compression_stats=req.compression_stats,
             ignore_eos=req.ignore_eos,
             timeout=req.timeout,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty,
+            min_tokens=req.min_tokens,
+            stop_token_ids=req.stop_token_ids or [],
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
         )
         prepared = await self.service.prepare(generate, logprobs=logprobs, id_prefix=prefix)
         prepared.ignored_fields = tuple(ignored)
@@ -166,7 +184,7 @@ class OpenAIService:
         req: _SamplingRequest,
         prepared: PreparedRequest,
         choice_of: Callable[[RequestOutput], CompletionChoice | ChatChunkChoice],
-        opening: ChatChunkChoice | None = None,
+        opening: CompletionChoice | ChatChunkChoice | None = None,
     ) -> AsyncIterator[str]:
         """SSE data: a chunk per piece of text, then (with include_usage) a usage chunk, then [DONE].
 

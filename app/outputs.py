@@ -44,11 +44,14 @@ class Outputs:
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq
-        self.detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
+        p = seq.params
+        self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
+            self.tokenizer, p.stop, p.include_stop_str_in_output, p.skip_special_tokens
+        )
 
     def detokenize(self, seq: Sequence, token: int) -> bool:
-        """Add a generated token to the text; True when a stop string ended it."""
-        return self.detokenizers[seq.seq_id].add(token)
+        """Add a generated token to the text; True when a stop string ended it (once min_tokens are out)."""
+        return self.detokenizers[seq.seq_id].add(token, len(seq.output_token_ids) >= seq.params.min_tokens)
 
     def emit(self, seq: Sequence, token: int, logprobs: list[TokenLogprob]) -> None:
         """A new token of a sequence that goes on."""

@@ -1,4 +1,5 @@
-"""Turns logits into tokens: greedy, temperature, top-k, top-p, per-request seeds.
+"""Turns logits into tokens: greedy, temperature, top-k, top-p, min-p, repetition penalty, a
+floor under the length (min_tokens), per-request seeds.
 
 Besides the token it reports how sure the model was (the probability of the top token in the
 distribution the token was drawn from), which the compressor uses as a signal, and,
@@ -8,6 +9,7 @@ cuts, as OpenAI's API reports them).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,15 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # the most likely tokens and their log-probabilities, best first
 
 
+@dataclass(frozen=True)
+class History:
+    """What the options that look back need of a row's request."""
+
+    token_ids: list[int]  # prompt and output so far
+    num_generated: int
+    end_ids: frozenset[int]  # the tokens that would end it: EOS (unless ignored) and its stop_token_ids
+
+
 @dataclass
 class SampleOutput:
     token_id: int | None  # None when sampling failed for this row
@@ -30,11 +41,18 @@ class SampleOutput:
     logprob: TokenLogprob | None = None  # only when the request asked for logprobs
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[SampleOutput]:
-    """Sample one token per row of `logits` [n, vocab] (fp32)."""
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+    histories: list[History] | None = None,
+) -> list[SampleOutput]:
+    """Sample one token per row of `logits` [n, vocab] (fp32); `histories` (one per row) where a
+    request's repetition penalty or min_tokens need them."""
     temperatures = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
     finite = torch.isfinite(logits).all(dim=-1)
-    logprobs = torch.log_softmax(logits / temperatures.unsqueeze(1), dim=-1)
+    shaped = _shaped(logits, params, histories) if histories is not None else logits
+    logprobs = torch.log_softmax(shaped / temperatures.unsqueeze(1), dim=-1)
     probs = logprobs.exp()
     top_prob, greedy_ids = probs.max(dim=-1)
     # One transfer for the whole batch; the per-row work below stays on the host.
@@ -55,6 +73,25 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return outputs
 
 
+def _shaped(logits: torch.Tensor, params: list[SamplingParams], histories: list[History]) -> torch.Tensor:
+    """The logits the rows' penalties and length floors leave (a copy, where any applies): tokens seen
+    so far divided (or, when negative, multiplied) by the repetition penalty, as CTRL and vLLM do; the
+    tokens that would end a request below its min_tokens removed."""
+    rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 or histories[i].num_generated < p.min_tokens]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        p, history = params[i], histories[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(history.token_ids)), device=logits.device)
+            values = logits[i, seen]
+            logits[i, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if history.num_generated < p.min_tokens and history.end_ids:
+            logits[i, sorted(history.end_ids)] = float("-inf")
+    return logits
+
+
 def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     raw = torch.log_softmax(logits.float(), dim=-1)
     best = torch.topk(raw, top) if top else None
@@ -63,8 +100,10 @@ def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
 
 
 def _draw(logprobs: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
-    """Draw from the temperature-scaled distribution after top-k and top-p cuts."""
+    """Draw from the temperature-scaled distribution after top-k, top-p and min-p cuts."""
     logprobs = logprobs.cpu()
+    if p.min_p > 0.0:
+        logprobs = logprobs.masked_fill(logprobs < logprobs.max() + math.log(p.min_p), float("-inf"))
     if p.top_k > 0 and p.top_k < logprobs.numel():
         kth = torch.topk(logprobs, p.top_k).values[-1]
         logprobs = logprobs.masked_fill(logprobs < kth, float("-inf"))

@@ -27,7 +27,17 @@ class GenerateRequest(_Strict):
     max_tokens: int | None = Field(None, ge=1, description="most tokens to generate; default from the server")
     temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 means greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 means no top-k cut")
+    top_k: int = Field(0, ge=-1, description="0 or -1 mean no top-k cut")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens less likely than min_p times the likeliest")
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, le=10.0, description="above 1, tokens already in the prompt or output become less likely"
+    )
+    min_tokens: int = Field(0, ge=0, description="tokens generated before EOS, stop_token_ids or stop can end it")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=list, max_length=64, description="token ids that end the request, as EOS does"
+    )
+    include_stop_str_in_output: bool = Field(False, description="keep the stop string that ended the text")
+    skip_special_tokens: bool = Field(True, description="leave special tokens out of the text")
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: list[str] = Field(default_factory=list, max_length=16)
     stream: bool = False
@@ -49,6 +59,8 @@ class GenerateRequest(_Strict):
             raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must not exceed max_tokens")
         return self
 
 

@@ -28,6 +28,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # report the sampled token's log-probability and this many alternatives
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    repetition_penalty: float = 1.0  # above 1, tokens of the prompt or output so far become less likely
+    min_tokens: int = 0  # before this many tokens, nothing that would end the request is sampled or matched
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the request, like EOS
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text
+    skip_special_tokens: bool = True  # leave special tokens out of the text
     deadline: float | None = None  # time.monotonic() after which the request ends with TIMEOUT
 
     @property

@@ -108,6 +108,11 @@ class GenerateService:
         self, req: GenerateRequest, ids: list[int], logprobs: int | None, request_id: str, arrival: float
     ) -> PreparedRequest:
         """The checks that need the prompt's tokens; the request to run if it passes them."""
+        vocab = len(self.tokenizer)
+        if req.stop_token_ids and max(req.stop_token_ids) >= vocab:
+            self._refuse(422)
+            message = f"stop_token_ids: {max(req.stop_token_ids)} is outside the vocabulary (0-{vocab - 1})"
+            raise APIError(422, "invalid_request", message, param="stop_token_ids")
         pending_tokens = sum(self.admitted.values())
         if pending_tokens and pending_tokens + len(ids) > self.settings.max_queue_tokens:
             self._refuse(503)
@@ -149,11 +154,17 @@ class GenerateService:
             max_tokens=max_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
-            top_k=req.top_k,
+            top_k=max(req.top_k, 0),
             seed=req.seed,
             stop=tuple(req.stop),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty,
+            min_tokens=req.min_tokens,
+            stop_token_ids=tuple(req.stop_token_ids),
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
             deadline=_deadline(arrival, req.timeout or self.settings.request_timeout),
         )
         return PreparedRequest(request_id, ids, params, compression, arrival)

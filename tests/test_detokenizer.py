@@ -32,3 +32,23 @@ def test_stop_string_cuts_and_is_never_streamed(tokenizer):
 def test_earliest_of_several_stop_strings_wins(tokenizer):
     full, _, stopped = feed(tokenizer, "alpha beta gamma delta", stop=["delta", "beta"])
     assert stopped and full == "alpha "
+
+
+def test_stop_strings_kept_where_asked_and_not_matched_below_min_tokens(tokenizer):
+    ids = tokenizer("one, two, three, four", add_special_tokens=False).input_ids
+    kept = IncrementalDetokenizer(tokenizer.backend_tokenizer, (", three",), include_stop=True)
+    assert any(kept.add(i) for i in ids) and kept.text == "one, two, three"
+    late = IncrementalDetokenizer(tokenizer.backend_tokenizer, ("two",))
+    stops = [late.add(i, check_stop=n >= 4) for n, i in enumerate(ids, start=1)]
+    assert not any(stops) and late.text == "one, two, three, four"  # "two" came before the 4th token
+
+
+def test_special_tokens_are_left_out_unless_asked_for(tokenizer):
+    ids = tokenizer("<|im_start|>hi", add_special_tokens=False).input_ids
+    texts = []
+    for skip in (True, False):
+        detokenizer = IncrementalDetokenizer(tokenizer.backend_tokenizer, skip_special_tokens=skip)
+        for i in ids:
+            detokenizer.add(i)
+        texts.append(detokenizer.text)
+    assert texts == ["hi", "<|im_start|>hi"]

@@ -206,3 +206,13 @@ def test_nan_logits_or_a_detokenizer_fault_fail_one_request_only(model, tokenize
     assert results["1"][-1].finish_reason == "error" and "detokenization failed" in results["1"][-1].error
     assert results["2"][-1].finish_reason == "length" and len(tokens_of(results["2"])) == 6
     assert engine.store.used_bytes == 0
+
+
+def test_stop_token_ids_end_a_request_and_min_tokens_hold_them_off(model, tokenizer):
+    prompt = prompts(tokenizer, [12])[0]
+    free = tokens_of(run_all(make_engine(model, tokenizer), [prompt], greedy(8))["0"])
+    stop = free[2]
+    stopped = run_all(make_engine(model, tokenizer), [prompt], greedy(8, stop_token_ids=(stop,)))["0"]
+    assert tokens_of(stopped) == free[: free.index(stop) + 1] and stopped[-1].finish_reason == "stop"
+    held = run_all(make_engine(model, tokenizer), [prompt], greedy(8, min_tokens=4, stop_token_ids=(free[0],)))["0"]
+    assert free[0] not in tokens_of(held)[:4] and len(tokens_of(held)) >= 4

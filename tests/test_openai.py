@@ -205,6 +205,36 @@ def test_continuous_usage_stats_put_usage_on_every_chunk(client):
     assert all(c.usage is None for c in plain if c.choices) and plain[-1].usage.completion_tokens == 3
 
 
+def test_vllm_sampling_extensions_are_honoured(client):
+    """vLLM's extra sampling fields, as its clients send them (lm-eval, guidellm): each changes the
+    answer as vLLM's does, none is ignored."""
+    prompt = "One, two, three, four, five,"
+    plain = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    text = plain.parse().choices[0].text
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + text
+    streamed = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0, echo=True, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == prompt + text
+    stop = text.strip().split()[1]  # a word of the greedy answer
+    kept = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stop=[stop],
+        extra_body={"include_stop_str_in_output": True},
+    )  # fmt: skip
+    assert kept.choices[0].text.endswith(stop) and kept.choices[0].finish_reason == "stop"
+    shaped = client.completions.with_raw_response.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+        extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.3, "min_tokens": 8, "stop_token_ids": [2],
+                    "skip_special_tokens": False},
+    )  # fmt: skip
+    assert "x-ignored-fields" not in shaped.headers
+    assert shaped.parse().usage.completion_tokens == 8
+    assert shaped.parse().choices[0].text != text  # the penalty moves greedy decoding off its repeats
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True, logprobs=1)
+
+
 def test_unknown_model_and_oversized_prompts(client):
     with pytest.raises(openai.NotFoundError) as caught:
         client.chat.completions.create(model="gpt-4", messages=QUESTION)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from app.sampler import sample
+from app.sampler import History, sample
 from app.sequence import SamplingParams
 
 
@@ -76,3 +76,31 @@ def test_logprobs_are_the_models_own_before_temperature():
     assert abs(report.logprob - float(raw[report.token_id])) < 1e-6
     assert [t for t, _ in report.top] == raw.topk(3).indices.tolist()
     assert out[1].logprob is None  # only requests that ask pay for it
+
+
+def history(token_ids: list[int], generated: int = 0, end_ids: frozenset[int] = frozenset()) -> History:
+    return History(token_ids, generated, end_ids)
+
+
+def test_repetition_penalty_makes_seen_tokens_less_likely_whatever_their_sign():
+    logits = torch.tensor([[2.0, 1.5, -1.0, -1.2]])
+    greedy = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    assert sample(logits, [greedy], [gen(0)], [history([0])])[0].token_id == 1  # 2.0 / 2 < 1.5
+    plain = sample(logits, [SamplingParams(temperature=0.0)], [gen(0)], [history([0])])[0].token_id
+    assert plain == 0  # no penalty asked: the history changes nothing
+    negative = torch.tensor([[-1.0, -1.2]])
+    assert sample(negative, [greedy], [gen(0)], [history([0])])[0].token_id == 1  # -1.0 * 2 < -1.2
+
+
+def test_below_min_tokens_nothing_that_would_end_the_request_is_sampled():
+    logits = torch.tensor([[5.0, 1.0, 0.0]])  # token 0 (EOS here) is by far the likeliest
+    p = SamplingParams(temperature=0.0, min_tokens=2)
+    ends = frozenset({0})
+    assert sample(logits, [p], [gen(0)], [history([7], generated=1, end_ids=ends)])[0].token_id == 1
+    assert sample(logits, [p], [gen(0)], [history([7, 1], generated=2, end_ids=ends)])[0].token_id == 0
+
+
+def test_min_p_keeps_only_tokens_near_the_likeliest():
+    logits = torch.tensor([[3.0, 2.5, 0.0, -1.0]])  # at T=1: 0.58, 0.35, 0.03, 0.01
+    p, g = SamplingParams(temperature=1.0, min_p=0.5), gen(0)
+    assert {sample(logits, [p], [g])[0].token_id for _ in range(200)} == {0, 1}
