@@ -147,3 +147,40 @@ def test_guidellm_benchmarks_the_server(server, default_path, tmp_path, route):
     assert metrics["request_totals"]["successful"] == 6 and metrics["request_totals"]["errored"] == 0
     assert metrics["output_token_count"]["successful"]["total_sum"] == 6 * 16
     assert metrics["prompt_token_count"]["successful"]["total_sum"] >= 6 * 64
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_vllm_benchmark_clients_requests_replayed(server, index):
+    """vLLM's serving benchmark client does not install without vLLM's engine: its request shapes,
+    recorded from its source, replayed and read as it reads them (SSE `data:` lines, `:` pings
+    skipped, TTFT from the first chunk with choices, output tokens from the usage chunk)."""
+    fixture = json.loads((ROOT / "tests" / "fixtures" / "vllm_bench_requests.json").read_text())
+    request = fixture["requests"][index]
+    body = _filled(request["body"], {"MODEL": MODEL, "PROMPT": "Tell me about the sea. " * 20, "OUTPUT_LEN": 12})
+    chunks, usage = [], None
+    with httpx.stream(
+        "POST", f"{server.url}{request['route']}", json=body, headers=fixture["headers"], timeout=120
+    ) as response:
+        assert response.status_code == 200 and "x-ignored-fields" not in response.headers
+        for line in response.iter_lines():
+            if not line or line.startswith(":"):
+                continue
+            data = line.removeprefix("data:").strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if event.get("choices"):
+                chunks.append(event["choices"][0])
+            elif event.get("usage"):
+                usage = event["usage"]
+    assert chunks, "never a chunk with choices: vLLM's client marks the request failed"
+    assert usage["completion_tokens"] == 12  # ignore_eos: every requested token
+
+
+def _filled(value: object, values: dict) -> object:
+    """`value` with every string that names a placeholder replaced by its value, at any depth."""
+    if isinstance(value, dict):
+        return {key: _filled(item, values) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_filled(item, values) for item in value]
+    return values.get(value, value) if isinstance(value, str) else value
