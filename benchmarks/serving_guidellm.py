@@ -76,7 +76,8 @@ def run_guidellm(url: str, args: argparse.Namespace) -> dict[str, dict]:
         subprocess.run(
             [str(Path(sys.executable).with_name("guidellm")), "run", "--disable-console-interactive"]
             + ["--backend", f"kind=openai_http,target={url},model={served_name},request_format=/v1/completions"]
-            + ["--profile", f"kind=concurrent,streams=[{','.join(map(str, args.streams))}]"]
+            + ["--profile", f"kind=concurrent,streams={args.streams[0]}"]
+            + ["--override", "profile.streams", ",".join(map(str, args.streams))]
             + ["--constraint", f"kind=max_requests,count={args.requests}"]
             + ["--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.max_tokens}"]
             + ["--tokenizer", f"kind=huggingface_auto,model={model_folder(args.model_path)}"]

@@ -184,3 +184,22 @@ def _filled(value: object, values: dict) -> object:
     if isinstance(value, list):
         return [_filled(item, values) for item in value]
     return values.get(value, value) if isinstance(value, str) else value
+
+
+def test_the_guidellm_benchmark_compares_both_modes_at_one_budget(tmp_path):
+    """`make bench-guidellm` in a few requests: both modes measured by guidellm, saved with a plot."""
+    out = tmp_path / "serving_guidellm"
+    run = subprocess.run(
+        [sys.executable, "benchmarks/serving_guidellm.py", "--streams", "2", "--requests", "2"]
+        + ["--prompt-tokens", "32", "--max-tokens", "4", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    results = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert set(results) == {"compression off", "dynamic 0.6"}
+    for rows in results.values():
+        assert rows["2"]["successful"] == 2 and rows["2"]["output_tokens"] == 2 * 4
+    assert out.with_suffix(".png").stat().st_size > 0
