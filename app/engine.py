@@ -260,10 +260,12 @@ class LLMEngine:
                 self.scheduler.finish(seq, FinishReason.TIMEOUT)
         sched = self.scheduler.schedule()
         for seq in sched.rejected:
-            need = self.store.bytes_for(seq.num_uncomputed, self.store.codec_of(seq.seq_id))
+            # All its tokens, not the ones left to compute: a running request refused for its next
+            # token needs the room of every token it holds and that one.
+            need = self.store.bytes_for(len(seq.token_ids), self.store.codec_of(seq.seq_id))
             error = (
-                f"the request needs {need} bytes of KV cache but max_cache_size is {self.store.max_bytes}; "
-                "shorten the prompt or raise max_cache_size"
+                f"the request needs {need} bytes of KV cache for its {len(seq.token_ids)} tokens but "
+                f"max_cache_size is {self.store.max_bytes}; shorten the prompt or raise max_cache_size"
             )
             self.scheduler.finish(seq, FinishReason.ERROR, error)
         return sched

@@ -102,8 +102,8 @@ class Scheduler:
                 hit = None  # the copy does not fit beside its source: let the source go too, prefill it all
             if not self._make_room(need):
                 break
-            if hit is not None:
-                self._reuse(seq, hit)
+            if hit is not None and not self._reuse(seq, hit):
+                hit = None
             n = self._chunk(seq, budget)
             try:
                 self.store.reserve(seq.seq_id, n)
@@ -116,6 +116,8 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
                 out.admitted.append(seq)
+                if self.prefix_cache is not None:
+                    self.prefix_cache.admitted(hit)
             self.running.append(seq)
             self._emit(seq, n, out)
             budget -= n
@@ -146,20 +148,28 @@ class Scheduler:
         return n
 
     def _make_room(self, need: int, keep: int | None = None) -> bool:
-        """Free parked prefix-cache entries (never `keep`) until `need` bytes are free."""
+        """Free parked prefix-cache entries (never `keep`) until `need` bytes are free; none at all
+        where evicting every one could not free enough (running requests hold the memory): a waiting
+        request must not empty the cache it may be about to reuse, step after step, and still wait."""
+        if need <= self.store.free_bytes:
+            return True
+        if self.prefix_cache is None or need > self.store.free_bytes + self.prefix_cache.reclaimable_bytes(keep):
+            return False
         while need > self.store.free_bytes:
-            if self.prefix_cache is None or not self.prefix_cache.evict_one(keep):
+            if not self.prefix_cache.evict_one(keep):
                 return False
         return True
 
-    def _reuse(self, seq: Sequence, hit: PrefixHit) -> None:
+    def _reuse(self, seq: Sequence, hit: PrefixHit) -> bool:
+        """Start `seq` from the hit's entries; False where their copies do not fit (it prefills all)."""
         try:
             self.prefix_cache.adopt(seq.seq_id, hit)
         except KVBudgetExceeded:
-            return  # prefill it all instead
+            return False
         seq.num_computed = hit.num_tokens
         seq.num_cached_tokens = min(hit.num_tokens, seq.num_prompt_tokens)
         seq.prefix_parked = hit.parked
+        return True
 
     def _emit(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         start = seq.num_computed

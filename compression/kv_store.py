@@ -577,6 +577,20 @@ class KVStore:
                 pool.copy_blocks(*(_tensor(np.array(ids), self.device) for ids in zip(*pairs, strict=True)))
         return parked
 
+    def reclaimable_bytes(self, parked: list[ParkedKV]) -> int:
+        """Bytes that discarding every cache of `parked` would free: the blocks nobody else holds
+        (running sequences and other parked caches keep theirs), and the caches' bookkeeping."""
+        held: dict[int, tuple[BlockPool, list[np.ndarray]]] = {}
+        for kv in parked:
+            for pool, layers in zip(self._pools_of(kv.codec), kv.tables, strict=True):
+                held.setdefault(id(pool), (pool, []))[1].extend(layers)
+        freed = 0
+        for pool, tables in held.values():
+            blocks, counts = np.unique(np.concatenate(tables), return_counts=True)
+            refs = np.fromiter((pool.refs[b] for b in blocks.tolist()), dtype=np.int64, count=len(blocks))
+            freed += int((refs == counts).sum()) * pool.block_bytes
+        return freed + sum(kv.bookkeeping_bytes for kv in parked)
+
     def discard(self, parked: ParkedKV) -> int:
         """Give back a parked cache's references; return the bytes that became free."""
         before = self.used_bytes

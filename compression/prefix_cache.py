@@ -90,8 +90,8 @@ class PrefixCache:
 
     def lookup(self, token_ids: list[int], fingerprint: Hashable, tail: int = 1) -> PrefixHit | None:
         """The longest cached prefix of `token_ids` under `fingerprint`, leaving `tail` tokens (at
-        least one) to compute: the queries the request's end-of-prefill compression observes."""
-        self.queries += 1
+        least one) to compute: the queries the request's end-of-prefill compression observes. Not
+        counted: a waiting request looks up at every step; `admitted` counts it once."""
         tokens = torch.tensor(token_ids)
         best: PrefixHit | None = None
         for entry_id, entry in self.entries.items():
@@ -106,8 +106,17 @@ class PrefixCache:
         """Start sequence `seq_id` from the hit's entries (KVBudgetExceeded if its copies do not fit)."""
         self.store.adopt(seq_id, self.entries[hit.entry_id].kv, hit.num_tokens)
         self.lru.touch(hit.entry_id)
-        self.hits += 1
-        self.reused_tokens[hit.parked] += hit.num_tokens
+
+    def admitted(self, hit: PrefixHit | None) -> None:
+        """Count a prompt admitted for the first time: one query, and the hit it started from, if any."""
+        self.queries += 1
+        if hit is not None:
+            self.hits += 1
+            self.reused_tokens[hit.parked] += hit.num_tokens
+
+    def reclaimable_bytes(self, keep: int | None = None) -> int:
+        """Bytes that evicting every entry but `keep` would free."""
+        return self.store.reclaimable_bytes([entry.kv for entry_id, entry in self.entries.items() if entry_id != keep])
 
     def evict_one(self, keep: int | None = None) -> bool:
         """Free the LRU-K victim (never `keep`); False when there is nothing to free."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -216,3 +217,14 @@ def test_stop_token_ids_end_a_request_and_min_tokens_hold_them_off(model, tokeni
     assert tokens_of(stopped) == free[: free.index(stop) + 1] and stopped[-1].finish_reason == "stop"
     held = run_all(make_engine(model, tokenizer), [prompt], greedy(8, min_tokens=4, stop_token_ids=(free[0],)))["0"]
     assert free[0] not in tokens_of(held)[:4] and len(tokens_of(held)) >= 4
+
+
+def test_a_request_too_big_on_its_own_is_told_all_it_needs(model, tokenizer):
+    """Admitted for its prompt, it outgrows the whole budget alone: the error names the bytes of all
+    its tokens, over the budget, not the one token it was refused."""
+    budget = make_engine(model, tokenizer).store.bytes_for(64)
+    engine = make_engine(model, tokenizer, max_cache_bytes=budget)
+    last = run_all(engine, prompts(tokenizer, [60]), greedy(40, ignore_eos=True))["0"][-1]
+    assert last.finish_reason == "error" and engine.store.used_bytes == 0
+    need = int(re.search(r"needs (\d+) bytes", last.error).group(1))
+    assert need > budget and "max_cache_size is" in last.error

@@ -430,3 +430,15 @@ def test_kivi4_decode_attention_agrees_with_the_view_beside_an_int8_sequence():
         fill(store, seq_id, n, keys=lambda layer, keys=keys: keys)
     query, new = torch.randn(2, 4, 64, generator=generator), torch.randn(2, 2, 64, generator=generator)
     assert_decode_agrees_with_views(store, decode_attention, query, new, [37, 21])
+
+
+def test_reclaimable_bytes_are_what_discarding_would_free_not_what_others_still_hold():
+    store = make_store(storage="int8")
+    fill(store, 1, 40)
+    parked = store.share(1)  # its whole blocks are the running sequence's too
+    copies = store.num_layers * 2 * store.block_bytes(store.make_codec("int8"))
+    assert store.reclaimable_bytes([parked]) == copies + parked.bookkeeping_bytes
+    store.free(1)  # now it alone holds them
+    alone = store.reclaimable_bytes([parked])
+    assert alone > copies + parked.bookkeeping_bytes and store.reclaimable_bytes([]) == 0
+    assert store.discard(parked) == alone and store.used_bytes == 0

@@ -211,3 +211,28 @@ def test_a_compaction_beside_a_parked_prompt_is_paid_back_before_the_next_forwar
     assert max(after_step) > budget  # the compaction beside the parked prompt went over...
     assert max(at_forward) <= budget  # ...and no forward pass ran over the budget
     assert len(engine.prefix_cache) == 0  # the parked prompt paid for it
+
+
+def test_a_request_that_cannot_fit_waits_without_emptying_the_cache_and_counts_one_query(model, tokenizer):
+    """Running requests hold the memory; a waiting request that would not fit even with every parked
+    entry gone must leave them be (today's chat prefix is tomorrow's hit), and a prompt that waits
+    many steps is one query of the prefix cache, counted as it is admitted."""
+    # Room for "long" as it grows and "chat" parked, or for "big" and "chat", never for "long" and "big".
+    budget = make_engine(model, tokenizer).store.bytes_for(640)
+    engine = make_engine(model, tokenizer, max_cache_bytes=budget, prefix_cache=True)
+    run(engine, "chat", ids(tokenizer, 120, seed=40), max_tokens=8)  # parked: about 128 tokens
+    assert len(engine.prefix_cache) == 1 and engine.prefix_cache.queries == 1
+    params = resolve(engine.compression_config, None, True, True)
+    engine.add_request("long", ids(tokenizer, 300, seed=41), greedy(120, ignore_eos=True), params)
+    engine.add_request("big", ids(tokenizer, 400, seed=42), greedy(4, ignore_eos=True), params)
+    waited = 0
+    while engine.has_unfinished() and "long" in engine.outputs.requests:
+        engine.step()
+        big = engine.outputs.requests.get("big")
+        waited += big is not None and big.first_scheduled_time is None
+    assert waited > 10  # "big" waited behind "long" for many steps...
+    assert engine.prefix_cache.evictions["memory"] == 0  # ...and evicted nothing while it could not fit
+    assert engine.prefix_cache.queries == 2  # "long" admitted; "big" not yet, however often it looked
+    run_to_completion(engine)
+    assert engine.prefix_cache.queries == 3  # "big" admitted once memory came back
+    assert engine.store.used_bytes <= budget
