@@ -87,7 +87,7 @@ bench-guidellm: model
 	$(PY) benchmarks/serving_guidellm.py $(ARGS)
 
 # lm-eval's RULER tasks through /v1/completions at each setup: at 4k, 10 cases a task (about 90 minutes on
-# 2 cores); at 8k, 5 cases a task (each case costs about twice as much).
+# 2 cores); at 8k, 5 cases a task (each costs about twice as much; prompt and answer fit the 8,192-token context).
 bench-ruler: model
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) benchmarks/ruler.py --lengths 4096 --limit 10 --out benchmarks/results/ruler_4k $(ARGS)
