@@ -208,3 +208,18 @@ def test_the_guidellm_benchmark_compares_both_modes_at_one_budget(tmp_path):
         done = rows["2"]["successful"]
         assert done >= 1 and rows["2"]["errored"] == 0 and rows["2"]["output_tokens"] == done * 4
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_ruler_benchmark_scores_a_needle_through_local_completions(server, tmp_path, monkeypatch):
+    """`make bench-ruler`'s path on one case: lm-eval's own RULER task, built offline at 4k tokens,
+    answered through /v1/completions, with the bytes the server kept read from its /metrics."""
+    from argparse import Namespace
+
+    from benchmarks.ruler import run_length
+
+    for name, value in OFFLINE.items():
+        monkeypatch.setenv(name, value)
+    args = Namespace(tasks=["niah_single_1"], limit=1, concurrent=1, model_path=None)
+    row = run_length(server.url, 4096, args, tmp_path)
+    assert 0.0 <= row["scores"]["niah_single_1"] <= 1.0
+    assert 0.0 < row["bytes_kept"] < 0.5  # the server compresses by default: its kept bytes, not a default of 1
