@@ -2,7 +2,8 @@
 
 Each step the scheduler picks what runs: one token for every decoding sequence, then prompt
 chunks (chunked prefill) of running and newly admitted sequences, within a per-step token
-budget. A sequence is admitted only when its remaining prompt fits in the free KV bytes. When a
+budget. A sequence is admitted only when its remaining prompt fits in the free KV bytes; one that
+cannot fit lets those behind it that fit now go first, a bounded number of them (`_admit`). When a
 running sequence cannot grow, memory is found in this order: parked prefix-cache entries go
 first (LRU-K), then running sequences that compress are squeezed (their rate raised step by step
 up to a ceiling), and only then is the newest running sequence preempted: its cache is freed and it is
@@ -88,20 +89,39 @@ class Scheduler:
                 self._emit(seq, n, out)
                 budget -= n
         # Then admit waiting sequences while their prompts fit.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            seq = self.waiting[0]
+        self._admit(out, budget)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences in order while they fit. The first that cannot fit (running requests
+        hold the memory) waits for them to finish, but does not hold up those behind it that fit in
+        the free bytes now, evicting nothing: a chat turn runs beside a long request's wait and
+        reuses its conversation's cache while it is still there. At most `max_num_seqs` may pass a
+        waiting sequence, then it has the next free memory to itself: it never starves."""
+        blocked: Sequence | None = None
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            seq = self.waiting[i]
             need = self.store.bytes_for(seq.num_uncomputed, self.store.codec_of(seq.seq_id))
             if need > self.store.max_bytes:
-                self.waiting.popleft()
+                del self.waiting[i]
                 out.rejected.append(seq)
+                continue
+            if blocked is not None and need > self.store.free_bytes:
+                i += 1
                 continue
             hit = None
             if self.prefix_cache is not None:
                 hit = self.prefix_cache.lookup(seq.token_ids, seq.prefix_fingerprint, seq.prefill_tail)
-            if hit is not None and not self._make_room(need, keep=hit.entry_id):
-                hit = None  # the copy does not fit beside its source: let the source go too, prefill it all
-            if not self._make_room(need):
-                break
+            if blocked is None:
+                if hit is not None and not self._make_room(need, keep=hit.entry_id):
+                    hit = None  # the copy does not fit beside its source: let the source go too, prefill it all
+                if not self._make_room(need):
+                    blocked = seq
+                    if seq.overtaken >= self.max_num_seqs:
+                        return
+                    i += 1
+                    continue
             if hit is not None and not self._reuse(seq, hit):
                 hit = None
             n = self._chunk(seq, budget)
@@ -110,8 +130,10 @@ class Scheduler:
             except KVBudgetExceeded:
                 self.store.free(seq.seq_id, preempted=True)
                 seq.restart()
-                break
-            self.waiting.popleft()
+                return
+            del self.waiting[i]
+            if blocked is not None:
+                blocked.overtaken += 1
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
@@ -121,7 +143,8 @@ class Scheduler:
             self.running.append(seq)
             self._emit(seq, n, out)
             budget -= n
-        return out
+            if blocked is not None and blocked.overtaken >= self.max_num_seqs:
+                return
 
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         """Take a sequence out of the scheduler for good, tell the listeners and give its memory back."""

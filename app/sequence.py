@@ -77,6 +77,7 @@ class Sequence:
     tier_history: TierHistory | None = None  # what compression did, when the request asked (`inspect`)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
+    overtaken: int = 0  # sequences admitted ahead of it while it waited for memory
     generator: torch.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

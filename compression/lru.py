@@ -53,9 +53,12 @@ class LRUK:
     def __iter__(self) -> Iterator[Hashable]:
         return iter(self._history)
 
-    def touch(self, key: Hashable) -> None:
-        """Record a reference to `key`, inserting it if new."""
+    def touch(self, key: Hashable, again: bool = False) -> None:
+        """Record a reference to `key`, inserting it if new; `again`: the same reference as the key's
+        latest, made again now (it moves to now rather than counting twice)."""
         history = self._history.setdefault(key, _History())
+        if again and history.refs:
+            self._unlink(history.refs.pop())
         self._clock += 1
         history.refs.append(self._append(_Ref(key, self._clock)))
         if len(history.refs) > self.k:
@@ -65,6 +68,18 @@ class LRUK:
             self._young.move_to_end(key)
         else:
             self._young.pop(key, None)
+
+    def inherit(self, key: Hashable, sources: list[Hashable]) -> None:
+        """A new `key` takes the place of `sources`, which leave: their K most recent references become
+        its own. Touch it next (its latest reference must be the newest of all: the young keys' order)."""
+        refs = sorted((ref for source in sources for ref in self._history.pop(source).refs), key=lambda r: r.time)
+        for source in sources:
+            self._young.pop(source, None)
+        for ref in refs[: -self.k]:
+            self._unlink(ref)
+        for ref in refs[-self.k :]:
+            ref.key = key
+        self._history[key] = _History(refs[-self.k :])
 
     def remove(self, key: Hashable) -> None:
         history = self._history.pop(key)

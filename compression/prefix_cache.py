@@ -36,6 +36,7 @@ class CachedPrefix:
     fingerprint: Hashable
     kv: ParkedKV
     parked: str  # one of PARKED
+    referenced_by: int  # the request that made it or last started from it
 
 
 @dataclass
@@ -66,7 +67,7 @@ class PrefixCache:
         if len(token_ids) >= self.min_tokens:
             kv = self.store.share(seq_id)
             if kv is not None:  # else the partial blocks' copies do not fit: not worth evicting for
-                self._add(token_ids, fingerprint, kv, "prompt")
+                self._add(seq_id, token_ids, fingerprint, kv, "prompt")
 
     def insert(self, seq_id: int, token_ids: list[int], fingerprint: Hashable) -> None:
         """Take a finished request's cache: parked if it holds every entry as stored, else freed."""
@@ -76,17 +77,26 @@ class PrefixCache:
         if len(token_ids) < self.min_tokens or not kv.holds_every_entry(len(token_ids)):
             self.store.discard(kv)
             return
-        self._add(token_ids, fingerprint, kv, "request")
+        self._add(seq_id, token_ids, fingerprint, kv, "request")
 
-    def _add(self, token_ids: list[int], fingerprint: Hashable, kv: ParkedKV, parked: str) -> None:
-        """A new entry; it supersedes cached prefixes of its own tokens."""
+    def _add(self, seq_id: int, token_ids: list[int], fingerprint: Hashable, kv: ParkedKV, parked: str) -> None:
+        """A new entry; it supersedes cached prefixes of its own tokens and takes their references
+        (LRU-K): a conversation whose every turn extends the last is one entry referenced at each
+        turn, not a new entry each time, referenced once. The request that started from a superseded
+        entry, or parked it, already referenced it: its new entry is that reference again."""
         tokens = torch.tensor(token_ids)
-        for entry_id, entry in list(self.entries.items()):
-            if entry.fingerprint == fingerprint and _common_prefix(entry.token_ids, tokens) == len(entry.token_ids):
-                self._evict(entry_id, "superseded")
+        superseded = [
+            entry_id
+            for entry_id, entry in self.entries.items()
+            if entry.fingerprint == fingerprint and _common_prefix(entry.token_ids, tokens) == len(entry.token_ids)
+        ]
+        again = any(self.entries[entry_id].referenced_by == seq_id for entry_id in superseded)
         entry_id = next(self._ids)
-        self.entries[entry_id] = CachedPrefix(tokens, fingerprint, kv, parked)
-        self.lru.touch(entry_id)
+        self.lru.inherit(entry_id, superseded)
+        for old in superseded:
+            self._evict(old, "superseded")
+        self.entries[entry_id] = CachedPrefix(tokens, fingerprint, kv, parked, referenced_by=seq_id)
+        self.lru.touch(entry_id, again=again)
 
     def lookup(self, token_ids: list[int], fingerprint: Hashable, tail: int = 1) -> PrefixHit | None:
         """The longest cached prefix of `token_ids` under `fingerprint`, leaving `tail` tokens (at
@@ -104,7 +114,9 @@ class PrefixCache:
 
     def adopt(self, seq_id: int, hit: PrefixHit) -> None:
         """Start sequence `seq_id` from the hit's entries (KVBudgetExceeded if its copies do not fit)."""
-        self.store.adopt(seq_id, self.entries[hit.entry_id].kv, hit.num_tokens)
+        entry = self.entries[hit.entry_id]
+        self.store.adopt(seq_id, entry.kv, hit.num_tokens)
+        entry.referenced_by = seq_id
         self.lru.touch(hit.entry_id)
 
     def admitted(self, hit: PrefixHit | None) -> None:
@@ -132,7 +144,8 @@ class PrefixCache:
 
     def _evict(self, entry_id: int, reason: str) -> None:
         self.store.discard(self.entries.pop(entry_id).kv)
-        self.lru.remove(entry_id)
+        if entry_id in self.lru:  # else a new entry inherited its place
+            self.lru.remove(entry_id)
         self.evictions[reason] += 1
 
 

@@ -60,6 +60,28 @@ def test_admission_waits_for_memory_and_respects_max_num_seqs(model, tokenizer):
     assert engine.store.used_bytes == 0
 
 
+def test_a_request_that_cannot_fit_lets_those_that_fit_pass_a_bounded_number_of_times(model, tokenizer):
+    """Behind a request waiting for running ones to finish, short requests that fit now run at once,
+    but no more than max_num_seqs of them: then the waiting one has the next free memory."""
+    budget = make_engine(model, tokenizer).store.bytes_for(340)
+    engine = make_engine(model, tokenizer, max_cache_bytes=budget, max_num_seqs=4)
+    long, big, *smalls = prompts(tokenizer, [200, 200] + [10] * 7)
+    engine.add_request("long", long, greedy(100, ignore_eos=True))
+    engine.step()
+    engine.add_request("big", big, greedy(2, ignore_eos=True))  # cannot fit beside "long" until it ends
+    for i, prompt in enumerate(smalls):
+        engine.add_request(f"small {i}", prompt, greedy(2, ignore_eos=True))
+    order = []
+    while engine.has_unfinished():
+        for seq in [*engine.scheduler.running]:
+            if seq.request_id not in order:
+                order.append(seq.request_id)
+        engine.step()
+    assert order[:5] == ["long"] + [f"small {i}" for i in range(4)]  # four passed "big" while it waited...
+    assert order[5] == "big" and order[6:] == [f"small {i}" for i in range(4, 7)]  # ...then it went first
+    assert engine.store.used_bytes == 0
+
+
 def test_request_too_big_for_the_budget_fails_alone(model, tokenizer):
     engine = make_engine(model, tokenizer, max_cache_bytes=64 * make_engine(model, tokenizer).store.model_token_bytes)
     small, huge = prompts(tokenizer, [8, 200])

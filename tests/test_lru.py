@@ -15,9 +15,15 @@ class ReferenceLRUK:
     def __init__(self, k: int) -> None:
         self.k, self.clock, self.times = k, 0, {}
 
-    def touch(self, key) -> None:
+    def touch(self, key, again: bool = False) -> None:
         self.clock += 1
-        self.times.setdefault(key, []).append(self.clock)
+        times = self.times.setdefault(key, [])
+        if again and times:
+            times.pop()
+        times.append(self.clock)
+
+    def inherit(self, key, sources) -> None:
+        self.times[key] = sorted(t for source in sources for t in self.times.pop(source))
 
     def remove(self, key) -> None:
         del self.times[key]
@@ -33,7 +39,8 @@ class ReferenceLRUK:
 
 
 operations = st.lists(
-    st.tuples(st.sampled_from(["touch", "touch", "touch", "remove", "evict"]), st.integers(0, 7)), max_size=120
+    st.tuples(st.sampled_from(["touch", "touch", "touch", "again", "remove", "evict", "succeed"]), st.integers(0, 7)),
+    max_size=120,
 )
 
 
@@ -41,10 +48,16 @@ operations = st.lists(
 @given(k=st.integers(1, 4), ops=operations)
 def test_lru_k_evicts_the_largest_backward_k_distance(k, ops):
     lru, reference = LRUK(k), ReferenceLRUK(k)
-    for op, key in ops:
-        if op == "touch":
-            lru.touch(key)
-            reference.touch(key)
+    for step, (op, key) in enumerate(ops):
+        if op in ("touch", "again"):
+            lru.touch(key, again=op == "again")
+            reference.touch(key, again=op == "again")
+        elif op == "succeed":  # a new key takes the place of up to two (a prefix-cache entry superseding)
+            sources = [source for source in (key, (key + 1) % 8) if source in reference.times]
+            lru.inherit(100 + step, sources)
+            reference.inherit(100 + step, sources)
+            lru.touch(100 + step, again=key % 2 == 0)
+            reference.touch(100 + step, again=key % 2 == 0)
         elif op == "remove" and key in reference.times:
             lru.remove(key)
             reference.remove(key)
@@ -73,3 +86,15 @@ def test_evicting_an_empty_lru_k_is_an_error():
         LRUK(2).evict()
     with pytest.raises(ValueError):
         LRUK(0)
+
+
+def test_a_key_that_takes_the_place_of_a_twice_seen_one_outlives_a_scan():
+    """A conversation's new turn supersedes its last: the new entry is the old one referenced again."""
+    lru = LRUK(2)
+    lru.touch("turn 1")
+    lru.touch("document")  # referenced once, after the first turn
+    lru.touch("turn 1")  # the second turn starts from the first...
+    lru.inherit("turn 2", ["turn 1"])
+    lru.touch("turn 2", again=True)  # ...and parks its own: the same reference, not a third
+    assert "turn 1" not in lru and len(lru) == 2
+    assert lru.evict() == "document"

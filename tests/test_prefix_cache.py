@@ -236,3 +236,79 @@ def test_a_request_that_cannot_fit_waits_without_emptying_the_cache_and_counts_o
     run_to_completion(engine)
     assert engine.prefix_cache.queries == 3  # "big" admitted once memory came back
     assert engine.store.used_bytes <= budget
+
+
+def test_a_conversation_outlives_a_newer_one_off_request_under_pressure(model, tokenizer):
+    """Each turn of a chat parks a new entry that supersedes the last; it inherits the last one's
+    references (LRU-K), so a conversation used at two turns is kept over a request parked once
+    since, however recent (before, every turn's entry was new, seen once, and went first)."""
+    engine = make_engine(model, tokenizer, max_cache_bytes=make_engine(model, tokenizer).store.bytes_for(420),
+                         prefix_cache=True)  # fmt: skip
+    turn = ids(tokenizer, 40, seed=50)
+    turn += tokens_of(run(engine, "turn 1", turn, max_tokens=8)) + ids(tokenizer, 16, seed=51)
+    turn += tokens_of(run(engine, "turn 2", turn, max_tokens=8)) + ids(tokenizer, 16, seed=52)
+    assert len(engine.prefix_cache) == 1  # turn 2's entry superseded turn 1's
+    run(engine, "document", ids(tokenizer, 100, seed=53), max_tokens=8)  # parked once, after the turns
+    run(engine, "pressure", ids(tokenizer, 280, seed=54), max_tokens=2)  # one entry must go to admit it
+    assert engine.prefix_cache.evictions["memory"] == 1
+    hits = engine.prefix_cache.hits
+    run(engine, "turn 3", turn, max_tokens=8)
+    assert engine.prefix_cache.hits == hits + 1  # the conversation was kept; the document went
+
+
+def test_a_live_chat_keeps_reusing_its_turns_while_long_requests_queue_beside_it(tiny_model_dir, tokenizer):
+    """Seed 002's chat workload on the real server: each turn resends the conversation. Long requests
+    take turns holding most of the budget, one running and one waiting that could not fit even with
+    every parked turn evicted; the parked turns must survive that wait, so every turn after the first
+    starts from its conversation's cache (before the fix, a waiting request evicted them each step)."""
+    import threading
+
+    import httpx
+
+    from tests.helpers import LiveServer
+
+    token_bytes = 2 * 2 * 2 * 16 * 4  # the tiny model: layers x (K, V) x kv_heads x head_dim x fp32
+    budget = 800 * token_bytes  # a long request (420 + 80 tokens) leaves too little for a second
+    server = LiveServer(
+        "--model-path", str(tiny_model_dir), f"--max-cache-size={budget / 1e6}MB", "--compression-enabled=false"
+    )  # fmt: skip
+    client = httpx.Client(base_url=f"{server.url}/v1", timeout=120)
+    model = tiny_model_dir.name
+
+    def complete(prompt: list[int], max_tokens: int) -> dict:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+        response = client.post("/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]
+
+    def longs(seed: int, done: threading.Event) -> None:
+        while not done.is_set():
+            complete(ids(tokenizer, 420, seed=seed), 80)
+            seed += 2
+
+    try:
+        done = threading.Event()
+        runners = [threading.Thread(target=longs, args=(100 + i, done)) for i in range(2)]
+        for runner in runners:
+            runner.start()
+        while server.metric("requests_waiting") < 1:  # one long request runs, the other waits
+            pass
+        reused, resent, turns_that_hit, later_turns = 0, 0, 0, 0
+        for conversation in range(2):
+            prompt = ids(tokenizer, 24, seed=conversation)
+            for turn in range(4):
+                usage = complete(prompt, 8)
+                if turn:
+                    cached = usage["prompt_tokens_details"]["cached_tokens"]
+                    reused, resent = reused + cached, resent + len(prompt) - 16
+                    turns_that_hit, later_turns = turns_that_hit + (cached > 0), later_turns + 1
+                prompt = prompt + ids(tokenizer, 16, seed=1000 * conversation + turn)
+        waiting_at_the_end = server.metric("requests_waiting")
+        done.set()
+        for runner in runners:
+            runner.join()
+    finally:
+        server.stop()
+    assert waiting_at_the_end >= 1  # the chat ran while a long request was waiting throughout
+    assert turns_that_hit / later_turns > 0.9
+    assert reused / resent > 0.9  # of the tokens each later turn shares with the one before it
