@@ -47,6 +47,9 @@ SETUPS: dict[str, dict | None] = {
     "dynamic, budget ~5%": {**RATE_ONLY, "compression_rate": 0.95},
 }
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+# lm-eval's own limit (300 s) is the whole request's, queueing included: a 4k prompt waiting behind three
+# others on a busy 2-core machine passes it, and one timeout ends the run.
+REQUEST_TIMEOUT_S = 3600
 
 
 def main() -> None:
@@ -95,7 +98,7 @@ def run_length(url: str, length: int, args: argparse.Namespace, tmp: Path) -> di
     served_name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     model_args = (
         f"model={served_name},base_url={url}/v1/completions,tokenizer={tokenizer},tokenized_requests=False,"
-        f"num_concurrent={args.concurrent},max_retries=1,max_length={max_length(args)}"
+        f"num_concurrent={args.concurrent},max_retries=1,max_length={max_length(args)},timeout={REQUEST_TIMEOUT_S}"
     )
     subprocess.run(
         [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args]
