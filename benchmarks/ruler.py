@@ -47,8 +47,8 @@ SETUPS: dict[str, dict | None] = {
     "dynamic, budget ~5%": {**RATE_ONLY, "compression_rate": 0.95},
 }
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-# lm-eval's own limit (300 s) is the whole request's, queueing included: a 4k prompt waiting behind three
-# others on a busy 2-core machine passes it, and one timeout ends the run.
+# lm-eval's request limit (300 s) and the server's (600 s) count queueing: a 4k prompt waiting behind three
+# others on a busy 2-core machine passes them, and one timeout ends the run or cuts an answer.
 REQUEST_TIMEOUT_S = 3600
 
 
@@ -66,7 +66,8 @@ def main() -> None:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in tqdm(args.setups, unit="setup"):
-            flags = ["--enable-prefix-cache=false", *setup_flags(name, Path(tmp)), *server_flags(args)]
+            flags = ["--enable-prefix-cache=false", f"--request-timeout={REQUEST_TIMEOUT_S}"]
+            flags += setup_flags(name, Path(tmp)) + server_flags(args)
             with served(None, flags) as (url, _):
                 results[name] = {str(n): run_length(url, n, args, Path(tmp)) for n in args.lengths}
     setup = (
