@@ -51,3 +51,40 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+# Every test belongs to one tier, by its module unless it is marked with another (`pytest -m unit`;
+# make test-fast). A module missing here fails collection: a new file chooses its tier.
+TIERS = {
+    "unit": (
+        "test_calibration", "test_detokenizer", "test_gpu_check", "test_kv_store", "test_lru",
+        "test_paged_attention", "test_quality_benchmark", "test_readme_figures", "test_sampler",
+        "test_scheduler", "test_schemas", "test_settings", "test_triton_kernels",
+    ),
+    "engine": (
+        "test_compression", "test_engine", "test_engine_equivalence", "test_layer_budgets", "test_library",
+        "test_lookahead", "test_policies", "test_predictor", "test_prefix_cache", "test_thresholds",
+        "test_random_weights", "test_decode_step_benchmark",
+    ),
+    "server": ("test_app_faults", "test_clients", "test_fuzz", "test_inspect", "test_middleware", "test_openai",
+               "test_server"),
+    "ops": ("test_cluster", "test_cluster_live", "test_cluster_serve", "test_deploy", "test_inspect_page",
+            "test_load", "test_prometheus"),
+    "gpu": ("test_cuda",),
+}  # fmt: skip
+_TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for tier in TIERS:
+        config.addinivalue_line("markers", f"{tier}: the {tier} tier of tests (tests/conftest.py, TIERS)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.get_closest_marker(tier) for tier in TIERS):
+            continue
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module not in _TIER_OF:
+            raise pytest.UsageError(f"{module} has no tier: add it to TIERS in tests/conftest.py")
+        item.add_marker(_TIER_OF[module])

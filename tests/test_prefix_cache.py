@@ -256,6 +256,7 @@ def test_a_conversation_outlives_a_newer_one_off_request_under_pressure(model, t
     assert engine.prefix_cache.hits == hits + 1  # the conversation was kept; the document went
 
 
+@pytest.mark.server
 def test_a_live_chat_keeps_reusing_its_turns_while_long_requests_queue_beside_it(tiny_model_dir, tokenizer):
     """Seed 002's chat workload on the real server: each turn resends the conversation. Long requests
     take turns holding most of the budget, one running and one waiting that could not fit even with
