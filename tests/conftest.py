@@ -57,19 +57,22 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
 # make test-fast). A module missing here fails collection: a new file chooses its tier.
 TIERS = {
     "unit": (
-        "test_calibration", "test_detokenizer", "test_gpu_check", "test_kv_store", "test_lru",
-        "test_paged_attention", "test_quality_benchmark", "test_readme_figures", "test_sampler",
-        "test_scheduler", "test_schemas", "test_settings", "test_triton_kernels",
+        "test_detokenizer", "test_kv_store", "test_lru", "test_paged_attention", "test_readme_figures",
+        "test_sampler", "test_scheduler", "test_schemas", "test_settings", "test_triton_kernels",
     ),
     "engine": (
-        "test_compression", "test_engine", "test_engine_equivalence", "test_layer_budgets", "test_library",
-        "test_lookahead", "test_policies", "test_predictor", "test_prefix_cache", "test_thresholds",
-        "test_random_weights", "test_decode_step_benchmark",
+        "test_calibration", "test_compression", "test_decode_step_benchmark", "test_engine",
+        "test_engine_equivalence", "test_layer_budgets", "test_library", "test_lookahead", "test_policies",
+        "test_predictor", "test_prefix_cache", "test_quality_benchmark", "test_random_weights", "test_thresholds",
     ),
-    "server": ("test_app_faults", "test_clients", "test_fuzz", "test_inspect", "test_middleware", "test_openai",
-               "test_server"),
-    "ops": ("test_cluster", "test_cluster_live", "test_cluster_serve", "test_deploy", "test_inspect_page",
-            "test_load", "test_prometheus"),
+    "server": (
+        "test_app_faults", "test_clients", "test_fuzz", "test_inspect", "test_middleware", "test_openai",
+        "test_server",
+    ),
+    "ops": (
+        "test_cluster", "test_cluster_live", "test_cluster_serve", "test_deploy", "test_gpu_check",
+        "test_inspect_page", "test_load", "test_prometheus",
+    ),
     "gpu": ("test_cuda",),
 }  # fmt: skip
 _TIER_OF = {module: tier for tier, modules in TIERS.items() for module in modules}
