@@ -11,8 +11,14 @@ from compression.config import parse_size
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_shipped_config_file_states_the_defaults():
-    from_file = load_settings(["--config", str(ROOT / "config" / "server.yaml")])
+def test_shipped_config_file_states_every_setting_with_its_default():
+    import yaml
+
+    path = ROOT / "config" / "server.yaml"
+    stated = yaml.safe_load(path.read_text())
+    assert set(stated) == set(Settings.model_fields) - {"config"}  # `config` names the file itself
+    assert set(stated["cluster"]) == set(Settings.model_fields["cluster"].annotation.model_fields)
+    from_file = load_settings(["--config", str(path)])
     assert from_file.model_dump(exclude={"config"}) == Settings().model_dump(exclude={"config"})
 
 
