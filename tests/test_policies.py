@@ -186,3 +186,46 @@ def test_a_request_that_does_not_compress_builds_no_policy():
     assert resolve(config, {"policy": "h2o"}, False, False).scorer() is None  # compression off server-wide
     assert resolve(config, {"enabled": False}, True, False).scorer() is None
     assert resolve(config, {"policy": "h2o"}, True, False).scorer() == make_policy("h2o")
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_keeps_the_contract_the_engine_relies_on(name, tokenizer):
+    """Scores: one finite float per entry, the same for the same input, whatever order the entries
+    are stored in; a retention confidence in [0, 1] or none; a rate in [0, 1). And a request with
+    the policy runs to its end within its rate and gives every byte back."""
+    policy, n = make_policy(name), 40
+    gen = torch.Generator().manual_seed(0)
+    positions = torch.randperm(n, generator=gen)  # storage order is not text order after compaction
+    entries = LayerEntries(
+        keys=torch.randn(2, n, 16, generator=gen),
+        positions=positions,
+        attention=torch.rand(n, generator=gen),
+        token_confidence=torch.rand(n, generator=gen).clamp(min=0.05),
+        position=n,
+        layer=0,
+        predicted=torch.rand(n, generator=gen),
+    )
+    score = policy.score(entries)
+    assert score.shape == (n,) and score.dtype.is_floating_point and torch.isfinite(score).all()
+    assert torch.equal(policy.score(entries), score)
+    order = torch.randperm(n, generator=gen)  # the same entries stored in another order: the same scores
+    moved = LayerEntries(**{**vars(entries), **{k: getattr(entries, k)[..., order] for k in ("positions",
+                         "attention", "token_confidence", "predicted")}, "keys": entries.keys[:, order]})  # fmt: skip
+    if name != "random":  # its scores are a seeded draw per stored slot
+        assert torch.allclose(policy.score(moved), score[order])
+    accumulated = policy.accumulate(entries.attention, torch.rand(n, generator=gen))
+    assert accumulated.shape == (n,) and torch.isfinite(accumulated).all()
+    retention = policy.retention(entries)
+    assert retention is None or (retention.shape == (n,) and ((retention >= 0) & (retention <= 1)).all())
+    assert 0.0 <= policy.target_rate(0.6, [0.9, 0.2, 0.7]) < 1.0
+
+    model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    engine = make_engine(model, tokenizer, compression=SETTINGS)
+    request = {"policy": name, "compression_rate": 0.6, "kv_cache_dtype": "auto"}  # the policy alone meets the rate
+    params = resolve(engine.compression_config, request, True, True)
+    prompt = [int(t) for t in torch.randint(3, len(tokenizer), (200,), generator=gen)]
+    engine.add_request("r", prompt, greedy(24, ignore_eos=True), params)
+    out = run_to_completion(engine)["r"]
+    assert sum(len(o.new_token_ids) for o in out) == 24
+    assert out[-1].compression_metrics["compression_ratio"] <= 0.4 + 0.1  # the rate, up to its protected windows
+    assert engine.store.used_bytes == 0
