@@ -8,6 +8,7 @@ serve run cluster.app:app_builder replicas=...          # or Serve's own CLI / a
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -75,6 +76,19 @@ def _scaling(settings: Settings) -> dict:
     }
 
 
+def serve_env(settings: Settings) -> dict[str, str]:
+    """Ray Serve's proxy checks, loosened. On a starved CPU (a loaded machine, a small container) the
+    proxy misses its 5 s readiness check three times, and Serve kills it with every stream it relays
+    and starts another; on shutdown it gives the streams still in the proxy 5 s. A value the user set
+    in the environment wins."""
+    loosened = {
+        "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+        "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+        "RAY_SERVE_PROXY_GRACEFUL_SHUTDOWN_TIMEOUT_S": str(max(5.0, settings.shutdown_grace_period)),
+    }
+    return {name: os.environ.get(name, value) for name, value in loosened.items()}
+
+
 def _drain(grace_s: float) -> None:
     """New requests get 503; wait up to `grace_s` for running ones (streams included) to finish."""
     log.info("shutting down: new requests get 503; waiting up to %.0f s for running ones", grace_s)
@@ -88,7 +102,9 @@ def _drain(grace_s: float) -> None:
 
 def main(settings: Settings) -> None:
     """Start (or join) a Ray cluster, run the application on --host/--port, and drain on SIGTERM or Ctrl-C."""
-    ray.init(address=settings.cluster.address, logging_level=settings.log_level.upper())
+    env = serve_env(settings)
+    os.environ.update(env)  # a local cluster's processes inherit it; a joined cluster's Serve gets it below
+    ray.init(address=settings.cluster.address, logging_level=settings.log_level.upper(), runtime_env={"env_vars": env})
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs handlers that exit at once
         signal.signal(sig, lambda *_: stop.set())

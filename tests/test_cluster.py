@@ -173,3 +173,14 @@ def test_rayservice_manifest_passes_rays_config_loader_and_builds_our_applicatio
 def _pinned_ray() -> str:
     text = (ROOT / "pyproject.toml").read_text()
     return text.split('"ray[serve]==', 1)[1].split('"', 1)[0]
+
+
+def test_a_replica_runs_no_more_torch_threads_than_the_cpus_it_reserves():
+    from app.settings import ClusterSettings, Settings
+    from cluster.replica import replica_threads
+
+    def threads(torch_threads, cpus):
+        return replica_threads(Settings(torch_threads=torch_threads, cluster=ClusterSettings(replica_cpus=cpus)))
+
+    assert threads(None, 1.0) == 1 and threads(2, 1.0) == 1 and threads(None, 4.0) == 4
+    assert threads(2, 4.0) == 2 and threads(None, 0.0) == 1 and threads(8, 2.5) == 2
