@@ -40,7 +40,9 @@ RATE_ONLY = {"policy": "dynamic", "policy_options": {"dynamic": {"thresholds_dec
 # Each setup: the compression config file's values changed (None: the server started without compression).
 SETUPS: dict[str, dict | None] = {
     OFF: None,
-    "uniform int8": {"policy": "none", "kv_cache_dtype": "int8"},
+    # Every entry kept, at int8: policy `none` would not do, it turns compression off for requests
+    # that do not ask for a storage themselves (and lm-eval asks for nothing).
+    "uniform int8": {**RATE_ONLY, "compression_rate": 0.0},
     "dynamic (shipped: thresholds 0.9/0.7)": {},
     "dynamic, budget ~25%": {**RATE_ONLY, "compression_rate": 0.75},
     "dynamic, budget ~10%": {**RATE_ONLY, "compression_rate": 0.9},
