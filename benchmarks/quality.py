@@ -76,7 +76,7 @@ LONG = {  # --long: the frontier where the model's context ends and bytes are fe
     "policies": ["dynamic", "tova", "snapkv"],
     "baseline_storage": "int8",  # at equal bytes with dynamic, which stores int8
     # kivi4 (per-channel int4 keys) in place of per-token int4, which loses the needles at these lengths;
-    # the rotation's ablation on int4 keys is recorded in the README and no longer re-run here.
+    # the rotation's ablation on int4 keys is recorded in the results book and no longer re-run here.
     "dynamic_storages": ["int8", "kivi4"],
     "layer_budgets": ["pyramid", "adaptive"],
     "uniform": ["kivi4"],  # against KIVI-4 as published, storage alone at about the same bytes

@@ -1,12 +1,14 @@
-"""How every benchmark saves its figures, and how the README shows them.
+"""How every benchmark saves its figures, and how the documents show them.
 
 A benchmark prints its table and writes OUT.md and OUT.json side by side; the JSON carries its
-provenance: the commit, the command, the date and a digest of the code it measures. The README's
-figures are generated from those files (`python -m benchmarks.report`, `make readme`) between
-markers `<!-- results NAME -->` and `<!-- /results -->` (`<!-- results NAME: Heading | Heading -->`
-shows only the file's opening text and the `####` sections whose headings start so), and a result
-whose measured code has changed since is marked stale there, so a table can neither drift from its
-file nor outlive its code without saying so (a test holds the README to what this module generates).
+provenance: the commit, the command, the date, a digest of the code it measures and one of the
+benchmark script itself. The figures in the README and the results book (`docs/results.md`) are
+generated from those files (`python -m benchmarks.report`, `make docs`) between markers
+`<!-- results NAME -->` and `<!-- /results -->` (`<!-- results NAME: Heading | Heading -->` shows
+only the file's opening text and the `####` sections whose headings start so), and a result whose
+measured code or script has changed since is marked stale there, so a table can neither drift from
+its file nor outlive its code without saying so; the book's index of stale results
+(`<!-- stale index -->`) is computed too. A test holds the documents to what this module generates.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ from types import ModuleType
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
+DOCUMENTS = (README, *sorted((ROOT / "docs").glob("*.md")))  # the documents whose figures are generated
 # What the figures of a benchmark depend on: the server's code, its models and its configuration
 # (the benchmark scripts are the instrument, not what is measured).
 SERVER_CODE = ("app", "compression", "models", "config")
 SOURCE_SNAPSHOT_ENV = "CONFKV_SOURCE"
 _BLOCK = re.compile(r"(<!-- results (?P<name>[\w-]+)(?:: (?P<sections>[^>]+?))? -->\n).*?(<!-- /results -->)", re.S)
 _SECTION = re.compile(r"^(?=#### )", re.M)
+_INDEX = re.compile(r"(<!-- stale index -->\n).*?(<!-- /stale index -->)", re.S)
 
 
 @dataclass(frozen=True)
@@ -46,11 +50,15 @@ class Provenance:
     code_digest: str
     uncommitted: bool = False  # the measured paths differed from the commit when it ran
     historical: str = ""  # why a result of past code is kept (it is then never stale)
+    script: str = ""  # the benchmark script, relative to the repository ("": not recorded, older results)
+    script_digest: str = ""
 
     @classmethod
     def capture(cls, measures: tuple[str, ...] = SERVER_CODE) -> Provenance:
         """The code as it stands now: call it when the benchmark starts, before anything can change."""
         digest = code_digest(measures)
+        script = Path(sys.argv[0]).resolve()
+        script_path = str(script.relative_to(ROOT)) if script.is_relative_to(ROOT) and script.is_file() else ""
         return cls(
             commit=commit_of(),
             date=datetime.date.today().isoformat(),
@@ -58,6 +66,8 @@ class Provenance:
             measures=tuple(measures),
             code_digest=digest,
             uncommitted=digest != code_digest(measures, rev="HEAD"),
+            script=script_path,
+            script_digest=code_digest((script_path,)) if script_path else "",
         )
 
     @classmethod
@@ -68,7 +78,13 @@ class Provenance:
         return cls(**{**raw, "measures": tuple(raw["measures"])})
 
     def is_stale(self) -> bool:
-        return not self.historical and code_digest(self.measures) != self.code_digest
+        """The measured code, or the script that measured it, has changed since (never for a historical record)."""
+        if self.historical:
+            return False
+        return code_digest(self.measures) != self.code_digest or self._script_changed()
+
+    def _script_changed(self) -> bool:
+        return bool(self.script) and code_digest((self.script,)) != self.script_digest
 
 
 def save_report(
@@ -124,8 +140,10 @@ def commit_of(rev: str = "HEAD") -> str:
     return _git("rev-parse", "--short", rev).strip()
 
 
-def code_digest(paths: tuple[str, ...], rev: str | None = None, root: Path = ROOT) -> str:
-    """A digest of the files git tracks under `paths`: in the working tree, or at git revision `rev`."""
+def code_digest(paths: tuple[str, ...], rev: str | None = None, root: Path | None = None) -> str:
+    """A digest of the files git tracks under `paths` (of this repository unless `root`): in the working
+    tree, or at git revision `rev`."""
+    root = root or ROOT
     snapshot = source_snapshot(root)
     if snapshot:  # a copy without git: HEAD is what the snapshot recorded
         committed = {path: blob for path, blob in snapshot["files"].items() if _under(path, paths)}
@@ -173,9 +191,12 @@ def _under(path: str, paths: tuple[str, ...]) -> bool:
     return any(path == p or path.startswith(p.rstrip("/") + "/") for p in paths)
 
 
-def readme_block(name: str, results: Path = RESULTS, sections: tuple[str, ...] = ()) -> str:
-    """What the README shows for results NAME: its provenance, staleness and tables (all, or the
-    opening text and the `####` sections whose headings start with one of `sections`)."""
+def readme_block(
+    name: str, results: Path = RESULTS, sections: tuple[str, ...] = (), link: str = "benchmarks/results"
+) -> str:
+    """What a document shows for results NAME: its provenance, staleness and tables (all, or the
+    opening text and the `####` sections whose headings start with one of `sections`); `link` is
+    the results folder as the document links it."""
     prov = Provenance.of(json.loads((results / f"{name}.json").read_text()))
     body = (results / f"{name}.md").read_text().split("\n", 1)[1].strip()  # without its title
     if sections:
@@ -185,7 +206,7 @@ def readme_block(name: str, results: Path = RESULTS, sections: tuple[str, ...] =
             raise ValueError(f"{name}.md lacks a section starting with one of {sections}")
         body = "\n\n".join([opening.strip(), *chosen])
     file = f"{name}.md" if sections else f"{name}.json"
-    source = f"[`{file}`](benchmarks/results/{file}){', in part' if sections else ''}"
+    source = f"[`{file}`]({link}/{file}){', in part' if sections else ''}"
     state = " (with uncommitted changes)" if prov.uncommitted else ""
     lines = [f"*{source}: measured at {prov.commit}{state} on {prov.date} by `{prov.command}`.*"]
     if prov.historical:
@@ -195,21 +216,48 @@ def readme_block(name: str, results: Path = RESULTS, sections: tuple[str, ...] =
         )
     elif prov.is_stale():
         lines.append(
-            f"> **Stale:** `{name}.json` measured code ({', '.join(prov.measures)}) that has changed "
+            f"> **Stale:** `{name}.json` measured code ({', '.join(_measured(prov))}) that has changed "
             f"since {prov.commit}; "
-            "re-run the command above, then `make readme`."
+            "re-run the command above, then `make docs`."
         )
     return "\n\n".join([*lines, body]) + "\n"
 
 
-def render_readme(text: str, results: Path = RESULTS) -> str:
-    """`text` with every results block regenerated from its files."""
+def render_document(text: str, document: Path = README, results: Path = RESULTS) -> str:
+    """`text` (of `document`) with every results block and the stale index regenerated from the files."""
+    link = Path(os.path.relpath(results, document.parent)).as_posix()
 
     def block(match: re.Match) -> str:
         sections = tuple(s.strip() for s in (match["sections"] or "").split("|") if s.strip())
-        return match.group(1) + readme_block(match["name"], results, sections) + match.group(4)
+        return match.group(1) + readme_block(match["name"], results, sections, link) + match.group(4)
 
+    text = _INDEX.sub(lambda m: m.group(1) + stale_index(results, link) + m.group(2), text)
     return _BLOCK.sub(block, text)
+
+
+def stale_index(results: Path = RESULTS, link: str = "benchmarks/results") -> str:
+    """Every result whose measured code or script changed since it ran, and every historical one."""
+    stale, historical = [], []
+    for path in sorted(results.glob("*.json")):
+        prov = Provenance.of(json.loads(path.read_text()))
+        entry = f"[`{path.name}`]({link}/{path.name}), {prov.commit}"
+        if prov.historical:
+            historical.append(f"- {entry}: {prov.historical}")
+        elif prov.is_stale():
+            changed = ", ".join(_measured(prov, changed=True))
+            stale.append(f"- {entry}: changed since: {changed}; re-run `{prov.command}`")
+    lines = ["**Stale** (re-run before reading their figures as today's):", "", *(stale or ["- none"])]
+    lines += ["", "**Historical** (past code measured on purpose, never re-run):", "", *(historical or ["- none"])]
+    return "\n".join(lines) + "\n"
+
+
+def _measured(prov: Provenance, changed: bool = False) -> list[str]:
+    """The paths a result depends on: the code it measures and its script (only those that changed)."""
+    paths = [*prov.measures, *([prov.script] if prov.script else [])]
+    if not changed:
+        return paths
+    code_changed = code_digest(prov.measures) != prov.code_digest
+    return [*(prov.measures if code_changed else ()), *([prov.script] if prov._script_changed() else [])]
 
 
 def command_line(argv: list[str]) -> str:
@@ -237,24 +285,27 @@ def _text(value: object) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Regenerate the README's figures from benchmarks/results.")
-    parser.add_argument("--check", action="store_true", help="exit 1 if the README differs, write nothing")
+    parser = argparse.ArgumentParser(description="Regenerate the documents' figures from benchmarks/results.")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a document differs, write nothing")
     args = parser.parse_args()
-    text = README.read_text()
-    rendered = render_readme(text)
-    if args.check:
-        sys.exit(0 if rendered == text else "README figures differ from benchmarks/results: run `make readme`")
-    README.write_text(rendered)
-    for match in _BLOCK.finditer(rendered):
-        block = match.group(0)
-        state = (
-            "stale"
-            if "**Stale:**" in block
-            else "historical (stale by design)"
-            if "*Historical:" in block
-            else "current"
-        )
-        print(f"{match['name']}: {state}")
+    for document in DOCUMENTS:
+        text = document.read_text()
+        rendered = render_document(text, document)
+        if args.check:
+            if rendered != text:
+                sys.exit(f"{document.name}: figures differ from benchmarks/results: run `make docs`")
+            continue
+        document.write_text(rendered)
+        for match in _BLOCK.finditer(rendered):
+            block = match.group(0)
+            state = (
+                "stale"
+                if "**Stale:**" in block
+                else "historical (stale by design)"
+                if "*Historical:" in block
+                else "current"
+            )
+            print(f"{document.name} {match['name']}: {state}")
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def test_seed_high_memory_rule_is_kept_as_written():
         "annotations": {
             "summary": "KV缓存内存占用超过阈值",
             "description": "当前占用 {{ $value }}GB，可能影响服务稳定性",
-            "runbook_url": "README.md#highmemoryusage",  # the one addition
+            "runbook_url": "docs/operations.md#highmemoryusage",  # the one addition
         },
     }
 
@@ -66,17 +66,17 @@ def github_anchor(heading: str) -> str:
     return text.replace(" ", "-")
 
 
-def test_every_alert_links_a_readme_runbook_that_says_what_to_check_and_change():
-    readme = (ROOT / "README.md").read_text()
+def test_every_alert_links_a_runbook_that_says_what_to_check_and_change():
+    operations = (ROOT / "docs" / "operations.md").read_text()
     sections = {}
-    for section in re.split(r"\n(?=#{2,4} )", readme):
+    for section in re.split(r"\n(?=#{2,4} )", operations):
         heading, _, body = section.partition("\n")
         sections[github_anchor(heading)] = body
     for rule in alert_rules():
         url = rule["annotations"]["runbook_url"]
-        assert url == f"README.md#{rule['alert'].lower()}", rule["alert"]
+        assert url == f"docs/operations.md#{rule['alert'].lower()}", rule["alert"]
         body = sections.get(url.split("#")[1])
-        assert body is not None, f"{rule['alert']}: README has no section {url}"
+        assert body is not None, f"{rule['alert']}: docs/operations.md has no section {url}"
         for part in ("**Means**", "**Check first**", "**Change**"):
             assert part in body, f"{rule['alert']}: its runbook lacks {part}"
 
@@ -254,7 +254,7 @@ def test_overload_pages_with_runbooks_a_full_prefix_pool_does_not_and_the_seed_l
         webhook.wait_for(lambda: "pager firing KVRunningNearBudget" in webhook.log_text(), "the page notified")
         pager = [line for line in webhook.log_text().splitlines() if " pager firing " in line]
         assert any(f"TimePerOutputTokenSLOBreach instance={a} severity=critical" in line for line in pager), pager
-        assert all(f"instance={a}" in line and "runbook README.md#" in line for line in pager), pager
+        assert all(f"instance={a}" in line and "runbook docs/operations.md#" in line for line in pager), pager
         assert f"HighMeanRequestLatency instance={b}" not in webhook.log_text()
         # A server that stops answering its scrapes pages ConfKVDown.
         healthy.stop()
@@ -319,7 +319,7 @@ def test_a_dead_engine_loop_pages_its_errors_and_its_stall_with_runbooks(tiny_mo
         webhook.wait_for(lambda: paged("EngineLoopStalled"), "the stalled-loop page", 90)
         assert time.time() - crashed > 30  # the heartbeat's threshold, not an early guess
         pager = [line for line in webhook.log_text().splitlines() if " pager firing " in line]
-        assert all("runbook README.md#" in line for line in pager), pager
+        assert all("runbook docs/operations.md#" in line for line in pager), pager
         assert not paged("ConfKVDown")  # /metrics kept answering while the loop was dead
     finally:
         for process in (prometheus, alertmanager, webhook):

@@ -1,19 +1,44 @@
-"""The README's figures are generated from benchmarks/results and say when their code has changed."""
+"""The documents' figures are generated from benchmarks/results and say when their code or script has
+changed; the settings tables are generated from the settings' declarations."""
 
 import json
+import re
 import subprocess
 from dataclasses import asdict, replace
 from datetime import date
 
 import pytest
 
-from benchmarks.report import README, RESULTS, Provenance, code_digest, readme_block, render_readme
+from benchmarks.report import (
+    DOCUMENTS,
+    README,
+    RESULTS,
+    Provenance,
+    code_digest,
+    readme_block,
+    render_document,
+    stale_index,
+)
+from scripts import settings_reference
 
 
-def test_readme_figures_are_what_their_results_files_generate():
-    text = README.read_text()
-    assert "<!-- results " in text
-    assert render_readme(text) == text, "README figures differ from benchmarks/results: run `make readme`"
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: p.name)
+def test_every_document_is_what_its_results_files_generate(document):
+    text = document.read_text()
+    assert render_document(text, document) == text, f"{document.name} differs from benchmarks/results: run `make docs`"
+
+
+def test_the_readme_and_the_results_book_show_figures_and_the_book_computes_its_stale_index():
+    assert "<!-- results " in README.read_text()
+    book = (README.parent / "docs" / "results.md").read_text()
+    assert "<!-- results " in book and "<!-- stale index -->" in book
+
+
+def test_configuration_doc_is_generated_from_every_setting():
+    text = settings_reference.DOCUMENT.read_text()
+    assert settings_reference.render(text) == text, "docs/configuration.md differs from the settings: run `make docs`"
+    for flag in ("--max-cache-size", "--cluster.replicas", "`kv_cache_dtype`", "`confidence_thresholds`", "`medium`"):
+        assert flag in text
 
 
 @pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.stem)
@@ -66,6 +91,48 @@ def test_a_block_may_show_only_some_sections_of_its_file(tmp_path):
     part = readme_block("run", tmp_path, ("Perplexity",))
     assert "Cases." in part and "#### Perplexity\n\n| p |" in part and "Needle" not in part and "in part" in part
     text = "<!-- results run: Needle | Perplexity -->\n<!-- /results -->\n"
-    assert "| n |" in render_readme(text, tmp_path) and "| p |" in render_readme(text, tmp_path)
+    assert "| n |" in render_document(text, results=tmp_path) and "| p |" in render_document(text, results=tmp_path)
     with pytest.raises(ValueError, match="lacks a section"):
         readme_block("run", tmp_path, ("Latency",))
+
+
+def test_a_result_goes_stale_when_its_script_changes_and_the_index_lists_it(tmp_path, monkeypatch):
+    root = tmp_path / "repo"
+    (root / "benchmarks").mkdir(parents=True)
+    script = root / "benchmarks" / "bench.py"
+    script.write_text("rate = 1\n")
+    _git(root, "init", "-q")
+    _git(root, "add", ".")
+    _git(root, "commit", "-qm", "first")
+    monkeypatch.setattr("benchmarks.report.ROOT", root)
+    monkeypatch.setattr("sys.argv", [str(script)])
+    prov = replace(Provenance.capture(("benchmarks/none",)), code_digest=code_digest(("app",)))
+    assert prov.script == "benchmarks/bench.py" and prov.script_digest
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "run.md").write_text("# Title\n\n| a |\n")
+    (results / "run.json").write_text(json.dumps({"provenance": asdict(replace(prov, measures=("app",)))}))
+    assert "- none" in stale_index(results).split("**Historical**")[0]
+    script.write_text("rate = 2\n")
+    index = stale_index(results, link="../results")
+    assert "[`run.json`](../results/run.json)" in index and "benchmarks/bench.py" in index
+    assert "Stale" in readme_block("run", results)
+
+
+def _anchors(path):
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    headings = re.findall(r"^#{1,6} (.+)$", text, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: p.name)
+def test_every_link_between_the_documents_resolves(document):
+    text = re.sub(r"```.*?```", "", document.read_text(), flags=re.S)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        file, _, anchor = target.partition("#")
+        path = (document.parent / file).resolve() if file else document
+        assert path.exists(), f"{document.name} links {target}: no such file"
+        if anchor:
+            assert anchor in _anchors(path), f"{document.name} links {target}: no such heading"
