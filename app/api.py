@@ -136,19 +136,19 @@ def _lifespan(settings: Settings) -> Callable[[FastAPI], AbstractAsyncContextMan
         metrics = Metrics()
         engine = build_engine(settings)
         metrics.set_slo(settings.slo_ttft_seconds, settings.slo_tpot_seconds, settings.slo_min_requests)
-        runner = AsyncEngine(engine, on_step=metrics.observe_step)
-        metrics.bind_engine(runner.snapshot, engine.store.device)
-        metrics.bind_loop(runner)
-        runner.start()
+        loop = AsyncEngine(engine, on_step=metrics.observe_step)
+        metrics.bind_engine(loop.snapshot, engine.store.device)
+        metrics.bind_loop(loop)
+        loop.start()
         app.state.metrics = metrics
-        app.state.engine = runner
-        app.state.service = GenerateService(runner, engine.tokenizer, settings, metrics)
+        app.state.engine = loop
+        app.state.service = GenerateService(loop, engine.tokenizer, settings, metrics)
         app.state.openai = OpenAIService(app.state.service, settings.model_name())
         log.info("ready on %s:%d", settings.host, settings.port)
         try:
             yield
         finally:
-            runner.stop()
+            loop.stop()
 
     return lifespan
 

@@ -122,7 +122,7 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.prefix_cache,
-            self.compression.relieve,
+            self.compression.squeeze,
             listeners,
         )
         self.eos_token_ids = _eos_ids(model, tokenizer)

@@ -140,8 +140,8 @@ class Metrics:
         self.device_memory.set_function(lambda: _device_memory_ratio(device))
         self.registry.register(_EngineCollector(snapshot))
 
-    def bind_loop(self, runner: AsyncEngine) -> None:
-        self.heartbeat.set_function(lambda: runner.heartbeat)
+    def bind_loop(self, loop: AsyncEngine) -> None:
+        self.heartbeat.set_function(lambda: loop.heartbeat)
 
     def count_ignored_fields(self, fields: list[str]) -> None:
         """Count each ignored field under its name, or 'other' once _MAX_FIELD_LABELS names are in use."""

@@ -57,12 +57,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         prefix_cache: PrefixCache | None = None,
-        relieve: Callable[[list[Sequence]], bool] | None = None,
+        squeeze: Callable[[list[Sequence]], bool] | None = None,
         listeners: list[SequenceListener] | None = None,
     ) -> None:
         self.store = store
         self.prefix_cache = prefix_cache
-        self.relieve = relieve  # compresses running sequences harder; True if it freed bytes
+        self.squeeze = squeeze  # compresses running sequences harder; True if it freed bytes
         self.listeners = listeners or []
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -211,7 +211,7 @@ class Scheduler:
                     continue  # parked prefix-cache entries go first
                 # Then compress harder, but not the sequences whose room this step is already reserved.
                 squeezable = [s for s in self.running if s not in out.sequences]
-                if self.relieve is not None and self.relieve(squeezable):
+                if self.squeeze is not None and self.squeeze(squeezable):
                     continue
                 victim = self.running[-1]  # newest; never one already scheduled this step
                 if victim is seq and len(self.running) == 1:

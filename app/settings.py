@@ -81,10 +81,10 @@ class Settings(BaseSettings):
         None, description="model name clients give (OpenAI routes); default: the model folder's name"
     )
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 for all interfaces)")
-    port: int = Field(8080, ge=1, le=65535)
+    port: int = Field(8080, ge=1, le=65535, description="port to listen on")
     compression_enabled: bool = Field(True, description="compress the KV cache while generating")
     compression_config: Path | None = Field(
-        None, description="compression policy file (JSON); default: the shipped config/compression.json"
+        None, description="compression config file (JSON); default: the shipped config/compression.json"
     )
     value_predictor: str = Field(
         "auto",
@@ -99,7 +99,7 @@ class Settings(BaseSettings):
     max_cache_size: str | None = Field(
         None,
         description="KV cache budget: MB (4096), with a unit (2GiB) or a share of device memory (80%); "
-        "default: max_cache_size of the compression policy file",
+        "default: max_cache_size of the compression config file",
     )
     enable_prefix_cache: bool = Field(
         True, description="keep finished requests' KV for reuse by requests that start with the same tokens"
@@ -142,7 +142,7 @@ class Settings(BaseSettings):
     )
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     torch_threads: int | None = Field(None, ge=1, description="CPU threads for torch; default: all cores")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="least severe log lines shown")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' on every route but /health")
     api_key_file: Path | None = Field(None, description="file with one accepted API key per line")
     public_metrics: bool = Field(False, description="with API keys, leave /metrics open (for Prometheus)")

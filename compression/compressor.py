@@ -73,7 +73,7 @@ class MarkedChunk(Protocol):
 
 @dataclass
 class CompressionMetrics:
-    """Per-request figures: a response's `compression_metrics` (the README defines each field)."""
+    """Per-request figures: a response's `compression_metrics` (docs/compression.md defines each field)."""
 
     original_size: int
     compressed_size: int
@@ -353,7 +353,7 @@ class Compressor:
                 state.ratio_sum += store.seq_bytes(seq.seq_id) / (seq.num_computed * store.model_token_bytes)
                 state.ratio_steps += 1
 
-    def relieve(self, sequences: list[TrackedSequence]) -> bool:
+    def squeeze(self, sequences: list[TrackedSequence]) -> bool:
         """Memory pressure: compress these sequences harder, a step at a time up to the ceiling.
 
         Returns True as soon as bytes were freed, False when every one is at the ceiling. Only
@@ -418,8 +418,9 @@ class Compressor:
     def compress(
         self, seq_id: int, num_tokens: int, state: SequenceState, predicted: dict[int, Forecast] | None = None
     ) -> None:
-        """Re-tier one sequence; `predicted` (by layer) is the predictor's output, when already computed."""
-        self._retier(seq_id, num_tokens, state, predicted)
+        """Compress one sequence: budget, score, plan, compact. `predicted` (by layer) is the predictor's
+        output, when already computed."""
+        self._plan_and_compact(seq_id, num_tokens, state, predicted)
         if state.history is not None:
             self._record(seq_id, num_tokens, state)
         for hook in self.hooks.compressed:
@@ -434,7 +435,7 @@ class Compressor:
             layers.append((kv.positions[: kv.length], kv.num_key_only))
         state.history.record(layers, num_tokens, state.decode_steps, final)
 
-    def _retier(
+    def _plan_and_compact(
         self, seq_id: int, num_tokens: int, state: SequenceState, predicted: dict[int, Forecast] | None
     ) -> None:
         params = state.params
@@ -503,7 +504,7 @@ class Compressor:
             keep[layer] = Keep(full=plan.keep_full, key_only=plan.keep_key_only)
         state.judged_until = num_tokens
         if keep:
-            store.retier(seq_id, keep)
+            store.compact(seq_id, keep)
 
     def _judge(self, judged: list[_Judged], budget: _Budget, state: SequenceState, num_tokens: int) -> float:
         """Bytes each layer may hold, as the thresholds judge the request: its share of what they keep

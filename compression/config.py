@@ -38,8 +38,10 @@ class Thresholds(BaseModel):
     """Retention confidence thresholds (seed 002): >= high stays FULL, >= medium KEY_ONLY, below is dropped."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    high: float = Field(0.9, ge=0.0, le=1.0)
-    medium: float = Field(0.7, ge=0.0, le=1.0)
+    high: float = Field(0.9, ge=0.0, le=1.0, description="an entry at or above this retention confidence stays FULL")
+    medium: float = Field(
+        0.7, ge=0.0, le=1.0, description="at or above this (below high) an entry is kept KEY_ONLY; below, dropped"
+    )
     low: float | None = Field(
         None,
         ge=0.0,
@@ -72,7 +74,12 @@ class CompressionSettings(BaseModel):
         description='parameters of policies by policy name (a policy\'s fields), e.g. {"snapkv": {"kernel_size": 7}}',
     )
     compression_rate: float = Field(0.6, ge=0.0, lt=1.0, description="share of KV bytes to remove")
-    thresholds: Thresholds = Field(Thresholds(), validation_alias=AliasChoices("thresholds", "confidence_thresholds"))
+    thresholds: Thresholds = Field(
+        Thresholds(),
+        validation_alias=AliasChoices("thresholds", "confidence_thresholds"),
+        description="retention confidence thresholds {high, medium, low} for policies that give a confidence "
+        "(dynamic): see the thresholds table",
+    )
     prediction_window: int = Field(
         128,
         ge=1,
@@ -123,8 +130,14 @@ class CompressionSettings(BaseModel):
 class CompressionConfig(CompressionSettings):
     """The server-wide defaults and the server's own settings. Names follow seed 002 where it names them."""
 
-    cache_eviction_policy: Literal["LRU-2", "LRU-3"] = "LRU-2"
-    max_cache_size: str = "80%"
+    cache_eviction_policy: Literal["LRU-2", "LRU-3"] = Field(
+        "LRU-2", description="which parked prefix-cache entry goes first under pressure (LRU-K)"
+    )
+    max_cache_size: str = Field(
+        "80%",
+        description="KV cache budget: MB (4096), with a unit (2GiB) or a share (80%) of the device's memory "
+        "(on CUDA, of what is free once the model is loaded and warmed up)",
+    )
     score_interval: int = Field(4, ge=1, description="decode steps between attention observations")
     prediction_refresh: int = Field(
         2,
@@ -148,7 +161,7 @@ class CompressionConfig(CompressionSettings):
         0.9, ge=0.0, lt=1.0, description="under memory pressure running requests compress up to this rate"
     )
     pressure_rate_step: float = Field(0.05, gt=0.0, le=1.0, description="how much harder at each squeeze")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the policies that draw at random (random)")
 
     @property
     def lru_k(self) -> int:

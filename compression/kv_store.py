@@ -17,7 +17,7 @@ the value predictor's history, key norm and forecast). Attention reads the block
 the tables (`compression.paged_attention`); a forward pass writes its new entries through a
 `StepPlan` made once per step, without a Python loop over sequences.
 
-Compaction (`retier`) writes the surviving entries into fresh blocks and gives the old ones back;
+Compaction (`compact`) writes the surviving entries into fresh blocks and gives the old ones back;
 the leading blocks it leaves unchanged are kept as they are. A finished sequence is parked (its
 tables leave the slot, its blocks stay) and a later one adopts a prefix of it by sharing whole
 blocks by reference: only a partial last block is copied, since the adopter appends after it.
@@ -524,7 +524,7 @@ class KVStore:
         slot = self._slots[seq_id]
         return self.meta["positions"][layer_idx, slot, : self.lengths[layer_idx, slot]]
 
-    def retier(self, seq_id: int, keep: dict[int, Keep]) -> int:
+    def compact(self, seq_id: int, keep: dict[int, Keep]) -> int:
         """Rebuild the given layers holding only the entries they keep; return bytes freed.
 
         A layer's `key_only` may name KEY_ONLY entries (kept as they are) and FULL ones (their values

@@ -92,7 +92,7 @@ class DynamicKVCompressor(Cache):
         self.future_value = future_value
         self.calibrations = calibrations
         self.store: KVStore | None = None
-        self.engine: Compressor | None = None
+        self.compressor: Compressor | None = None
         self.sequence = _Sequence()
         self._pending_confidence: float | None = None
 
@@ -140,7 +140,7 @@ class DynamicKVCompressor(Cache):
 
     def metrics(self) -> CompressionMetrics:
         """compression_metrics of the sequence so far, as the server reports them."""
-        return self.engine.metrics(SEQ_ID, self.sequence.num_computed)
+        return self.compressor.metrics(SEQ_ID, self.sequence.num_computed)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """As a logits processor: note the model's confidence in its next token; scores unchanged."""
@@ -158,7 +158,7 @@ class DynamicKVCompressor(Cache):
         )
         if self.calibrations is None:
             self.calibrations = load_retention(predictor_path(None), model.config)
-        self.engine = Compressor(self.store, future_value=self.future_value, calibrations=self.calibrations)
+        self.compressor = Compressor(self.store, future_value=self.future_value, calibrations=self.calibrations)
         self.sequence = _Sequence()
         self.store.set_storage(SEQ_ID, self.params.kv_cache_dtype)
         self._pending_confidence = None
@@ -172,20 +172,20 @@ class DynamicKVCompressor(Cache):
         seq = self.sequence
         new = input_ids[0].tolist()
         if not seq.token_ids:
-            self.engine.register(SEQ_ID, self.params, len(new))
+            self.compressor.register(SEQ_ID, self.params, len(new))
             seq.token_ids = list(new)
         else:
             # The previous pass is complete: its step ends here, and compression may be due.
             confidence = {} if self._pending_confidence is None else {SEQ_ID: self._pending_confidence}
             seq.token_ids.extend(new)
-            self.engine.after_step([seq], confidence)
+            self.compressor.after_step([seq], confidence)
         start = seq.num_computed
         positions = torch.arange(start, start + len(new), device=input_ids.device)
         self.store.reserve(SEQ_ID, len(new))
         step = _Step(SEQ_ID, new)
-        self.engine.prepare([step])
+        self.compressor.prepare([step])
         segment = Segment(SEQ_ID, 0, len(new), step.observe, step.audit)
-        kwargs["packed_batch"] = PackedBatch(self.store, [segment], positions, self.engine)
+        kwargs["packed_batch"] = PackedBatch(self.store, [segment], positions, self.compressor)
         kwargs["position_ids"] = positions.unsqueeze(0)
         seq.num_computed += len(new)
         return args, kwargs

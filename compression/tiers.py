@@ -1,25 +1,25 @@
-"""From scores to tiers: the thresholds decide where the policy gives a retention confidence, and
-the byte budget (`compression_rate`) is a ceiling.
+"""From scores to tiers: a byte budget per layer, filled most value per byte first.
 
-Entries of one layer are ranked best first: by retention confidence when the policy gives one (ties
-by score), else by score. The most each unprotected entry may keep is its limit:
-- with a confidence, the thresholds of seed 002: >= high FULL, >= medium KEY_ONLY, below dropped;
-  an entry that an earlier compression kept (`judged`) is dropped only below the drop line (`low`,
-  default medium), and between it and high it stays as KEY_ONLY. Memory then follows the content;
-- without one, FULL for every entry: the budget alone decides.
-An entry that is KEY_ONLY already never goes back to FULL. The budget then buys, most value per byte
-first, two kinds of step: keeping an entry (best-ranked first, at KEY_ONLY for a tiering policy) and
-raising a kept one to FULL (up to its limit). An entry moves the output by its attention times its
-error, and independent errors add as variances: keeping is worth the squared expected attention
-times what the KEY_ONLY value's error leaves of it, raising that square times the error FULL
-removes (see `_spend`). So the entries the output leans on (a fact being copied) get precise values
-before faint ones are kept, an entry is demoted only as far as the budget or its own confidence
-needs, and the lowest-ranked go first.
-Protected entries (attention sinks, the recent window) are always kept as they are.
+The budget comes first. Where the policy gives a retention confidence, the thresholds of seed 002
+(>= high FULL, >= medium KEY_ONLY, below dropped; an entry an earlier compression kept is dropped
+only below `low`) judge the whole request: the compressor asks them only how many bytes they would
+keep (`threshold_bytes`, a plan under an unlimited budget), and those bytes over all layers, shared
+equally among the layers and capped by `compression_rate`, become every layer's budget
+(`Compressor._judge`). Without confidences the rate alone sets it. So the thresholds decide how much
+a request keeps; they do not pick each entry's tier.
 
-The compressor asks the thresholds only what they would keep (`threshold_bytes`, the bytes
-of a plan under an unlimited budget); those bytes over all layers, shared equally among the layers,
-become the budget of plans without them (`Compressor._judge`).
+Within its budget a layer's plan (`plan_tiers`, as the compressor calls it) ranks entries by score,
+best first; given confidences and thresholds it ranks by confidence and caps each entry at what the
+thresholds allow, which is how `threshold_bytes` asks them. An entry that is KEY_ONLY already never
+goes back to FULL (a quantised value is never restored). The budget then buys, most value
+per byte first, two kinds of step: keeping an entry (best-ranked first, at KEY_ONLY for a tiering
+policy) and raising a kept one to FULL (up to its limit). An entry moves the output by its attention
+times its error, and independent errors add as variances: keeping is worth the squared expected
+attention times what the KEY_ONLY value's error leaves of it, raising that square times the error
+FULL removes (see `_spend`). So the entries the output leans on (a fact being copied) get precise
+values before faint ones are kept, an entry is demoted only as far as the budget needs, and the
+lowest-ranked go first. Protected entries (attention sinks, the recent window) are always kept as
+they are.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def server_table(model: type[BaseModel] = Settings, prefix: str = "") -> str:
 
 
 def policy_file_table(model: type[BaseModel] = CompressionConfig) -> str:
-    """One row per key of the compression policy file (`config/compression.json`)."""
+    """One row per key of the compression config file (`config/compression.json`)."""
     rows = ["| key | default | values | meaning |", "| --- | --- | --- | --- |"]
     for name, field in model.model_fields.items():
         key = field.validation_alias.choices[-1] if field.validation_alias else name  # the seed's name first
@@ -85,7 +85,9 @@ def _kind(annotation: object) -> str:
 
 
 def _meaning(field: FieldInfo) -> str:
-    return (field.description or "(not described yet)").replace("|", "\\|")
+    if not field.description:
+        raise ValueError(f"{field} has no description: a setting says what it means where it is declared")
+    return field.description.replace("|", "\\|")
 
 
 def main() -> None:

@@ -304,8 +304,8 @@ def test_kv_store_tiers_account_exactly():
     store = KVStore(num_layers=2, num_kv_heads=2, head_dim=8, max_bytes=10**7, storage="int8", key_only_bits=4)
     x = torch.randn(2, 40, 8)
     fill_store(store, 1, 40, keys=lambda layer: x)
-    store.retier(1, {0: Keep(full=torch.arange(20, 40), key_only=torch.arange(0, 10))})
-    store.retier(1, {0: Keep(full=torch.arange(25, 30), key_only=torch.arange(0, 20))})
+    store.compact(1, {0: Keep(full=torch.arange(20, 40), key_only=torch.arange(0, 10))})
+    store.compact(1, {0: Keep(full=torch.arange(25, 30), key_only=torch.arange(0, 20))})
     layer = store.layer(1, 0)
     assert (layer.num_key_only, layer.num_full) == (20, 5)
     # Layer 0: 25 keys (2 int8 blocks), 5 values (1), 20 int4 key-only values (2); layer 1: 40 + 40 (3 + 3).
@@ -314,14 +314,14 @@ def test_kv_store_tiers_account_exactly():
     view = store.view(1, 0)  # KEY_ONLY 10..19 were entries 20..29, quantised to 4 bits
     assert torch.allclose(view.key_only_values[:, 10:], -x[:, 20:30], atol=0.5)
     with pytest.raises(ValueError, match="cannot become FULL"):
-        store.retier(1, {0: Keep(full=torch.tensor([0]), key_only=torch.tensor([], dtype=torch.long))})
+        store.compact(1, {0: Keep(full=torch.tensor([0]), key_only=torch.tensor([], dtype=torch.long))})
 
 
 def test_key_only_values_at_two_bits_take_a_quarter_of_a_byte_per_dimension():
     store = KVStore(num_layers=1, num_kv_heads=2, head_dim=16, max_bytes=10**7, storage="int8", key_only_bits=2)
     x = torch.randn(2, 40, 16)  # [kv_heads, tokens, head_dim]
     fill_store(store, 1, 40, keys=lambda layer: x)
-    store.retier(1, {0: Keep(full=torch.arange(30, 40), key_only=torch.arange(0, 30))})
+    store.compact(1, {0: Keep(full=torch.arange(30, 40), key_only=torch.arange(0, 30))})
     assert store.pools["int2"].codec.width == 4 and store.entry_bytes()[1] == 2 * (16 + 2) + 2 * (4 + 4)
     view = store.view(1, 0)
     step = (x.amax(-1) - x.amin(-1))[:, :30] / 3  # values are -keys in fill_store
@@ -355,16 +355,16 @@ def test_a_layer_is_compacted_only_when_that_frees_blocks(model, tokenizer, poli
     compact gives blocks back."""
     engine = make_engine(model, tokenizer, compression=SETTINGS)
     store, compactions, compressions = engine.store, [], []
-    retier = store.retier
+    compact = store.compact
 
     def watched(seq_id, keep):
         before = store.layer_bytes(seq_id).copy()
-        freed = retier(seq_id, keep)
+        freed = compact(seq_id, keep)
         after = store.layer_bytes(seq_id)
         compactions.append([(before[layer], after[layer]) for layer in keep])
         return freed
 
-    store.retier = watched
+    store.compact = watched
     engine.compression.hooks.compressed.append(lambda *_: compressions.append(1))
     run_one(engine, prompt(tokenizer, 400, seed=3), policy, 0.75, max_tokens=64, kv_cache_dtype="int8")
     assert compactions, "nothing was ever compacted"

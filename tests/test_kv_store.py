@@ -88,7 +88,7 @@ def test_compaction_keeps_chosen_entries_rewrites_only_what_moved_and_frees_byte
     before = store.used_bytes
     first_block = store.tables[0, 1, store._slots[1], 0]
     keep = torch.tensor([*range(BLOCK_SIZE), 39])  # the first block stays in place
-    freed = store.retier(1, {1: Keep(full=keep, key_only=torch.tensor([], dtype=torch.long))})
+    freed = store.compact(1, {1: Keep(full=keep, key_only=torch.tensor([], dtype=torch.long))})
     assert freed > 0 and store.used_bytes == before - freed
     keys = store.view(1, 1).keys
     assert keys[0, :, 0].tolist() == [*map(float, range(BLOCK_SIZE)), 39.0]
@@ -126,7 +126,7 @@ def test_sharing_a_running_cache_copies_only_partial_blocks_and_survives_its_com
     assert store.used_bytes == before + copies + parked.bookkeeping_bytes
     assert parked.holds_every_entry(40)
     check_references(store, [parked])
-    store.retier(1, {layer: mixed_keep(store, 1, layer, 0) for layer in range(3)})
+    store.compact(1, {layer: mixed_keep(store, 1, layer, 0) for layer in range(3)})
     fill(store, 1, 10, start=40)  # the sequence writes on, into its own blocks
     check_references(store, [parked])
     store.free(1)
@@ -175,7 +175,7 @@ def test_accounting_matches_references_and_budget(ops, budget_tokens, storage):
             with contextlib.suppress(KVBudgetExceeded):
                 store.adopt(seq_id, parked[n % len(parked)], n)
         elif op == "compact" and seq_id in store:
-            store.retier(seq_id, {layer: mixed_keep(store, seq_id, layer, n) for layer in range(n % 4)})
+            store.compact(seq_id, {layer: mixed_keep(store, seq_id, layer, n) for layer in range(n % 4)})
         check_references(store, parked)
         # Running sequences stay within the budget; a compaction may rewrite blocks that a parked copy
         # still holds, and those bytes are the prefix cache's to give back (the scheduler evicts them).
@@ -210,7 +210,7 @@ def test_compacting_several_layers_at_once_keeps_each_layers_own_entries():
             )
             for layer in keep
         }
-        store.retier(1, keep)
+        store.compact(1, keep)
         for layer, (key_only, full) in expected.items():
             view, positions = store.view(1, layer), store.positions(1, layer)
             assert positions.tolist() == key_only.tolist() + full.tolist()
@@ -230,7 +230,7 @@ def test_the_predictors_bookkeeping_follows_its_entries_through_compaction_and_g
     assert kv.forecast[:10].isnan().all()  # nothing predicted yet
     kv.forecast[:10] = torch.arange(10, dtype=torch.float32)
     kv.observed[:, :10] = torch.arange(10, dtype=torch.float16)
-    store.retier(1, {0: Keep(full=torch.tensor([1, 4, 7]), key_only=torch.tensor([8, 2]))})
+    store.compact(1, {0: Keep(full=torch.tensor([1, 4, 7]), key_only=torch.tensor([8, 2]))})
     kv = store.layer(1, 0)
     order = kv.positions[: kv.length].tolist()  # KEY_ONLY entries first, then FULL ones
     assert kv.forecast[: kv.length].tolist() == order
@@ -397,7 +397,7 @@ def test_kivi4_compaction_and_adoption_keep_their_keys_within_two_roundings():
     fill(store, 1, 50, keys=lambda layer: keys)
     before = store.used_bytes
     kept = torch.tensor([i for i in range(50) if i % 3])
-    freed = store.retier(1, {0: Keep(full=kept, key_only=torch.tensor([0, 3]))})
+    freed = store.compact(1, {0: Keep(full=kept, key_only=torch.tensor([0, 3]))})
     assert freed > 0 and store.used_bytes == before - freed
     order = torch.cat((torch.tensor([0, 3]), kept))
     first = block_half_levels(keys)[:, order]

@@ -269,7 +269,7 @@ def test_compaction_and_sharing_through_the_kernels_match_the_torch_path() -> No
             fill_store(store, 1, 40, keys=lambda layer: torch.randn(2, 40, 8, generator=gen))
             store.share(1)  # copies each table's partial last block
             keep = Keep(full=torch.tensor([*range(16), 20, 25, 39]), key_only=torch.tensor([17, 30, 33]))
-            store.retier(1, {0: keep, 1: keep})
+            store.compact(1, {0: keep, 1: keep})
             fill_store(store, 1, 5, start=40, keys=lambda layer: torch.randn(2, 5, 8, generator=gen))
         return store
 
