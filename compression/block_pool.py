@@ -1,14 +1,16 @@
 """Fixed-size blocks of head vectors, one pool per storage format, reference-counted.
 
 A block holds `block_size` vectors (keys, FULL values or KEY_ONLY values: any of them) of every KV
-head of one layer of one sequence, at one storage format: `data [blocks, block_size, kv_heads,
-width]` and, when quantised, `params [blocks, block_size, kv_heads, 1 or 2]` (see
-`compression.quant`). Token-major, so that one entry (all its heads) is one contiguous row: gathers
-and scatters of entries are row copies, done on an integer view of the rows (several times faster
-than indexing the bytes). `int4c` (KIVI's keys: int4 per channel) is the exception: its params belong
-to a block, `params [blocks, kv_heads, 2, head_dim]`, so its blocks are written whole
-(`write_blocks`). Blocks are counted by reference so that the prefix cache and the sequences
-that reuse a prefix share them without copying; a block is written only while one holder has it.
+head of one layer of one sequence, at one storage format, in one tensor `data [blocks, block_size,
+kv_heads, row]`: a float format's vectors as they are, a quantised one's as bytes, each vector's
+codes followed by its fp16 parameters (scale, and minimum at 4 and 2 bits; see `compression.quant`).
+Token-major, so that one entry (all its heads, parameters included) is one contiguous row: gathers
+and scatters of entries are single row copies, done on an integer view of the rows (several times
+faster than indexing the bytes). `int4c` (KIVI's keys: int4 per channel) has parameters per block,
+`[kv_heads, 2, head_dim]`: they are spread in order over the tails of the block's rows, so its blocks
+are written whole (`write_blocks`). Blocks are counted by reference so that the prefix cache and the
+sequences that reuse a prefix share them without copying; a block is written only while one holder
+has it.
 
 A pool grows in large steps (by half, at least `MIN_GROWTH` blocks) and never shrinks: the KV
 store decides what may be held (the budget); the pool is where it lives. New blocks are zeroed, so
@@ -39,7 +41,12 @@ class Codec:
     def __init__(self, storage: torch.dtype | str, head_dim: int, block_size: int = 16) -> None:
         self.bits = {"int8": 8, torch.int8: 8, "int4": 4, "int4c": 4, "int2": 2}.get(storage, 0)
         self.per_channel = storage == "int4c"
-        self.dtype = torch.int8 if self.bits == 8 else torch.uint8 if self.bits else storage
+        if self.per_channel and (2 * head_dim) % block_size:
+            raise ValueError(f"int4c spreads 2 x head_dim ({2 * head_dim}) parameters over {block_size} rows")
+        if self.bits and head_dim * self.bits % 16:
+            raise ValueError(f"int{self.bits} codes of head_dim {head_dim} leave fp16 parameters unaligned in a row")
+        self.dtype = torch.int8 if self.bits == 8 else torch.uint8 if self.bits else storage  # of the codes
+        self.storage_dtype = torch.uint8 if self.bits else storage  # of the pool's rows
         self.head_dim = head_dim
         self.block_size = block_size
         name = f"int{self.bits}" if self.bits else str(storage).removeprefix("torch.")
@@ -56,7 +63,13 @@ class Codec:
 
     @property
     def width(self) -> int:
+        """Elements of a vector's codes."""
         return self.head_dim * self.bits // 8 if self.quantized else self.head_dim
+
+    @property
+    def row_width(self) -> int:
+        """Elements of a vector's row in the pool (bytes for the quantised formats: codes, then parameters)."""
+        return self.vector_bytes // torch.empty((), dtype=self.storage_dtype).element_size()
 
     @property
     def vector_bytes(self) -> int:
@@ -89,6 +102,18 @@ class Codec:
         params = q.scale.unsqueeze(-1) if q.minimum is None else torch.stack((q.scale, q.minimum), -1)
         return q.codes, params
 
+    def pack(self, codes: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
+        """Codes [..., width] and their params [..., p] as pool rows [..., row_width]."""
+        if params is None:
+            return codes
+        return torch.cat((codes.view(torch.uint8), params.to(SCALE_DTYPE).contiguous().view(torch.uint8)), dim=-1)
+
+    def unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pool rows [..., row_width] as codes [..., width] and params [..., p] (None for a float format)."""
+        if not self.quantized:
+            return rows, None
+        return rows[..., : self.width].view(self.dtype), rows[..., self.width :].contiguous().view(SCALE_DTYPE)
+
 
 class BlockPool:
     def __init__(self, codec: Codec, kv_heads: int, block_size: int, device: torch.device) -> None:
@@ -97,7 +122,7 @@ class BlockPool:
         self.block_size = block_size
         self.device = device
         self._triton = _triton_blocks(device)
-        self._set_storage(self._empty_data(0), self._empty_params(0))
+        self._set_storage(self._empty_data(0))
         self.refs: list[int] = []
         self.free_ids: list[int] = []
 
@@ -114,7 +139,7 @@ class BlockPool:
         return self.num_blocks * self.block_bytes
 
     def tensors(self) -> PoolTensors:
-        return PoolTensors(self.data, self.params, self.codec.name)
+        return PoolTensors(self.data, self.codec.name, self.codec.head_dim)
 
     def allocate(self, n: int) -> list[int]:
         """n blocks with one reference each."""
@@ -142,79 +167,63 @@ class BlockPool:
     def write(self, rows: torch.Tensor, x: torch.Tensor) -> None:
         """Store vectors x [n, kv_heads, head_dim] as entries `rows` (block * block_size + offset)."""
         if self._triton is not None:
-            self._triton.encode_rows(x, rows, self.data, self.params, self.codec.name)
+            self._triton.encode_rows(x, rows, self.data, self.codec.name)
         else:
             self.write_encoded(rows, *self.codec.encode(x))
 
     def write_blocks(self, blocks: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> None:
         """int4c: store blocks of keys x [n, block_size, kv_heads, head_dim] whole, block i holding the
         first counts[i] of its vectors, into the pool's blocks `blocks` [n]."""
-        codes, params = quantize_channels(x, counts)
-        self.data[blocks] = codes
-        self.params[blocks] = params
+        codes, params = quantize_channels(x, counts)  # [n, bs, heads, D / 2], [n, heads, 2, D]
+        n, bs, heads, _ = codes.shape
+        # A head's 2 x D parameters, in order, a share after the codes of each of the block's rows.
+        tails = params.reshape(n, heads, bs, -1).transpose(1, 2)
+        self.data[blocks] = torch.cat((codes, tails.contiguous().view(torch.uint8)), dim=-1)
 
     def copy_blocks(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Copy whole blocks `source` [n] over blocks `target` [n], as stored."""
         self.data[target] = self.data[source]
-        if self.params is not None:
-            self.params[target] = self.params[source]
 
     def write_encoded(self, rows: torch.Tensor, codes: torch.Tensor, params: torch.Tensor | None) -> None:
         """Store vectors already in this format: codes [n, kv_heads, width], params [n, kv_heads, p]."""
-        self._scatter(self._data_rows, rows, _rows(codes.contiguous()))
-        if params is not None:
-            self._scatter(self._params_rows, rows, _rows(params.to(SCALE_DTYPE).contiguous()))
+        self._scatter(rows, _rows(self.codec.pack(codes, params).contiguous()))
 
     def read_encoded(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Entries `rows` as stored: codes [n, kv_heads, width] and params (or None)."""
-        codes = self._gather(self._data_rows, rows).view(self.data.dtype).view(-1, *self.data.shape[2:])
-        if self.params is None:
-            return codes, None
-        params = self._gather(self._params_rows, rows).view(SCALE_DTYPE).view(-1, *self.params.shape[2:])
-        return codes, params
+        stored = self._gather(rows).view(self.data.dtype).view(-1, *self.data.shape[2:])
+        return self.codec.unpack(stored)
 
-    def _scatter(self, table: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    def _scatter(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         if self._triton is not None:
-            self._triton.copy_rows(values, table, None, rows)
+            self._triton.copy_rows(values, self._rows, None, rows)
         else:
-            table[rows] = values
+            self._rows[rows] = values
 
-    def _gather(self, table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _gather(self, rows: torch.Tensor) -> torch.Tensor:
         if self._triton is None:
-            return table.index_select(0, rows)
-        out = table.new_empty(len(rows), table.shape[1])
-        self._triton.copy_rows(table, out, rows, None)
+            return self._rows.index_select(0, rows)
+        out = self._rows.new_empty(len(rows), self._rows.shape[1])
+        self._triton.copy_rows(self._rows, out, rows, None)
         return out
 
     def _grow(self, at_least: int) -> None:
         n = self.num_blocks
         grown = n + max(at_least, n // 2, MIN_GROWTH)
-        data, params = self._empty_data(grown), self._empty_params(grown)
+        data = self._empty_data(grown)
         data[:n] = self.data
-        if params is not None:
-            params[:n] = self.params
-        self._set_storage(data, params)
+        self._set_storage(data)
         self.refs.extend([0] * (grown - n))
         # Lowest ids last, so they are handed out first.
         self.free_ids = list(range(grown - 1, n - 1, -1)) + self.free_ids
 
-    def _set_storage(self, data: torch.Tensor, params: torch.Tensor | None) -> None:
-        self.data, self.params = data, params
-        # One row per entry, as words: what writes and reads index (views, made once per growth).
-        self._data_rows = _rows(data)
-        self._params_rows = None if params is None or self.codec.per_channel else _rows(params)
+    def _set_storage(self, data: torch.Tensor) -> None:
+        self.data = data
+        # One row per entry, as words: what writes and reads index (a view, made once per growth).
+        self._rows = _rows(data)
 
     def _empty_data(self, blocks: int) -> torch.Tensor:
-        shape = (blocks, self.block_size, self.kv_heads, self.codec.width)
-        return torch.zeros(shape, dtype=self.codec.dtype, device=self.device)
-
-    def _empty_params(self, blocks: int) -> torch.Tensor | None:
-        if not self.codec.quantized:
-            return None
-        if self.codec.per_channel:
-            return torch.zeros(blocks, self.kv_heads, 2, self.codec.head_dim, dtype=SCALE_DTYPE, device=self.device)
-        shape = (blocks, self.block_size, self.kv_heads, 1 if self.codec.bits == 8 else 2)
-        return torch.zeros(shape, dtype=SCALE_DTYPE, device=self.device)
+        shape = (blocks, self.block_size, self.kv_heads, self.codec.row_width)
+        return torch.zeros(shape, dtype=self.codec.storage_dtype, device=self.device)
 
 
 def _triton_blocks(device: torch.device) -> ModuleType | None:

@@ -4,12 +4,14 @@ One call per layer serves every decoding sequence of the step: one query row per
 that sequence's keys and values through its block tables, in place, at their storage format (float
 or int8/int4 codes with their scales). This interface is what a kernel takes, on any device:
 
-- `pools[i]` holds blocks of one storage format, `data [num_blocks, block_size, kv_heads, width]`
-  and, when quantised, `params [num_blocks, block_size, kv_heads, 1 or 2]` (fp16 scale, and
-  minimum at 4 and 2 bits; see `compression.quant`). Entry j of a table lives at block
-  `table[j // block_size]`, offset `j % block_size`. The one exception is `int4c` (keys only, int4
-  per channel, KIVI's): its params are the block's, `[num_blocks, kv_heads, 2, head_dim]` (scale,
-  then minimum, per channel), so an entry is `code * scale[c] + minimum[c]` of its block's head.
+- `pools[i]` holds blocks of one storage format, `data [num_blocks, block_size, kv_heads, row]`: a
+  float format's vectors as they are (row = head_dim), a quantised one's as bytes, each vector's
+  codes followed by its fp16 params (scale, and minimum at 4 and 2 bits; see `compression.quant`).
+  Entry j of a table lives at block `table[j // block_size]`, offset `j % block_size`. The one
+  exception is `int4c` (keys only, int4 per channel, KIVI's): its params are the block's, `[kv_heads,
+  2, head_dim]` (scale, then minimum, per channel), spread in order over the tails of the block's
+  rows (2 x head_dim / block_size each), so an entry is `code * scale[c] + minimum[c]` of its
+  block's head.
 - Per sequence slot, in key order: keys (KEY_ONLY entries first, then FULL), through `key_tables`
   in `pools[row_pool]`; FULL entry j >= num_key_only has its value at j - num_key_only through
   `value_tables` in `pools[row_value_pool]` (the same pool but for `int4c` keys, whose values are
@@ -41,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compression.quant import Quantized, dequantize, dequantize_channels
+from compression.quant import SCALE_DTYPE, Quantized, dequantize, dequantize_channels
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +59,27 @@ class PoolTensors:
     """The blocks of one storage format (see the module docstring for the layout)."""
 
     data: torch.Tensor
-    params: torch.Tensor | None
     format: str  # a key of FORMAT_CODES
+    head_dim: int
+
+    @property
+    def bits(self) -> int:
+        return int(self.format.removeprefix("int").removesuffix("c")) if self.format.startswith("int") else 0
 
     def read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Entries `rows` (block * block_size + offset) as [kv_heads, n, head_dim] in `dtype`."""
-        codes = self.data.flatten(0, 1).index_select(0, rows).transpose(0, 1)  # [kv_heads, n, width]
-        if self.params is None:
-            return codes.to(dtype)
+        stored = self.data.flatten(0, 1).index_select(0, rows).transpose(0, 1)  # [kv_heads, n, row]
+        if not self.bits:
+            return stored.to(dtype)
+        width = self.head_dim * self.bits // 8
+        codes = stored[..., :width].view(torch.int8) if self.bits == 8 else stored[..., :width]
         if self.format == "int4c":
-            blocks = self.params.index_select(0, rows // self.data.shape[1]).transpose(0, 1)  # [kv_heads, n, 2, D]
-            return dequantize_channels(codes, blocks, dtype)
-        p = self.params.flatten(0, 1).index_select(0, rows).transpose(0, 1)
-        bits = int(self.format.removeprefix("int"))
-        return dequantize(Quantized(codes, p[..., 0], p[..., 1] if bits < 8 else None, bits), dtype)
+            bs = self.data.shape[1]
+            tails = self.data[..., width:].index_select(0, rows // bs)  # [n, bs, kv_heads, tail]: the blocks' rows
+            blocks = tails.transpose(1, 2).contiguous().view(SCALE_DTYPE)  # [n, kv_heads, bs, 2 * D / bs]
+            return dequantize_channels(codes, blocks.view(*blocks.shape[:2], 2, -1).transpose(0, 1), dtype)
+        p = stored[..., width:].contiguous().view(SCALE_DTYPE)
+        return dequantize(Quantized(codes, p[..., 0], p[..., 1] if self.bits < 8 else None, self.bits), dtype)
 
 
 @dataclass
@@ -147,11 +156,9 @@ def kernel_arguments(batch: DecodeBatch) -> tuple:
     def index(t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.int32).contiguous()
 
-    no_params = torch.empty(0, dtype=torch.float16)
     return (
         batch.query.float().contiguous(),
         [pool.data.contiguous() for pool in batch.pools],
-        [no_params if pool.params is None else pool.params.contiguous() for pool in batch.pools],
         [FORMAT_CODES[pool.format] for pool in batch.pools],
         index(batch.row_slot),
         index(batch.row_pool),

@@ -45,49 +45,65 @@ def _load_vectors(
     rows,
     mask,
     kv_head,
-    num_params,
+    row_width,
     block_size,
     KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FORMAT: tl.constexpr,
 ):
-    """Head vectors [entries, BLOCK_D] of pool rows `rows` as float32, dequantised (zero where masked)."""
+    """Head vectors [entries, BLOCK_D] of pool rows `rows` as float32, dequantised (zero where masked).
+    A vector is `row_width` elements of `data`; a quantised one's params follow its codes, read through
+    `params`, the same memory as fp16."""
     d = tl.arange(0, BLOCK_D)
-    vector = rows * KV_HEADS + kv_head
+    vector = (rows * KV_HEADS + kv_head).to(tl.int64)
     mask2 = mask[:, None] & (d < HEAD_DIM)[None, :]
     if FORMAT == INT4C:
-        # Params per (block, KV head, channel): [num_blocks, KV_HEADS, 2, HEAD_DIM], scale then minimum.
-        codes = _unpack(data, vector, d, mask2, HEAD_DIM, 4)
-        channels = (((rows // block_size) * KV_HEADS + kv_head) * (2 * HEAD_DIM))[:, None] + d[None, :]
-        scale = tl.load(params + channels, mask=mask2, other=0.0).to(tl.float32)
-        minimum = tl.load(params + channels + HEAD_DIM, mask=mask2, other=0.0).to(tl.float32)
+        # The block's params for the head (scales, then minimums, per channel), a share after the codes of
+        # each of its rows: channel c is in the block's row c // share.
+        codes = _unpack(data, vector, d, mask2, row_width, HEAD_DIM, 4)
+        share = 2 * HEAD_DIM // block_size
+        first = (rows // block_size) * block_size
+        scale = _channel_params(params, first, d, mask2, kv_head, share, row_width, KV_HEADS, HEAD_DIM)
+        minimum = _channel_params(params, first, d + HEAD_DIM, mask2, kv_head, share, row_width, KV_HEADS, HEAD_DIM)
         return tl.where(mask2, codes * scale + minimum, 0.0)
     if FORMAT == INT4:
-        return _dequantize(_unpack(data, vector, d, mask2, HEAD_DIM, 4), params, vector, mask, mask2, num_params)
+        codes = _unpack(data, vector, d, mask2, row_width, HEAD_DIM, 4)
+        return _dequantize(codes, params, vector, mask, mask2, row_width, HEAD_DIM // 2)
     if FORMAT == INT2:
-        return _dequantize(_unpack(data, vector, d, mask2, HEAD_DIM, 2), params, vector, mask, mask2, num_params)
-    x = tl.load(data + vector[:, None] * HEAD_DIM + d[None, :], mask=mask2, other=0).to(tl.float32)
+        codes = _unpack(data, vector, d, mask2, row_width, HEAD_DIM, 2)
+        return _dequantize(codes, params, vector, mask, mask2, row_width, HEAD_DIM // 4)
+    x = tl.load(data + vector[:, None] * row_width + d[None, :], mask=mask2, other=0).to(tl.float32)
     if FORMAT == INT8:
-        scale = tl.load(params + vector * num_params, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(params + (vector * row_width + HEAD_DIM) // 2, mask=mask, other=0.0).to(tl.float32)
         x = x * scale[:, None]
     return x
 
 
 @triton.jit
-def _unpack(data, vector, d, mask2, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
+def _channel_params(params, first, c, mask2, kv_head, share, row_width, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """int4c: parameter c [entries, BLOCK_D] of the blocks whose first rows are `first`, as float32."""
+    vector = ((first[:, None] + c[None, :] // share) * KV_HEADS + kv_head).to(tl.int64)
+    return tl.load(params + (vector * row_width + HEAD_DIM // 2) // 2 + c[None, :] % share, mask=mask2, other=0.0).to(
+        tl.float32
+    )
+
+
+@triton.jit
+def _unpack(data, vector, d, mask2, row_width, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
     """Packed codes as float32: bits [k * BITS, (k + 1) * BITS) of byte i are dimension i + k * part."""
     part = HEAD_DIM * BITS // 8
     column = d % part
-    byte = tl.load(data + vector[:, None] * part + column[None, :], mask=mask2, other=0).to(tl.int32)
+    byte = tl.load(data + vector[:, None] * row_width + column[None, :], mask=mask2, other=0).to(tl.int32)
     return ((byte >> ((d // part) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
 
 
 @triton.jit
-def _dequantize(codes, params, vector, mask, mask2, num_params):
-    """Per-vector asymmetric codes dequantised with their vector's scale and minimum."""
-    scale = tl.load(params + vector * num_params, mask=mask, other=0.0).to(tl.float32)
-    minimum = tl.load(params + vector * num_params + 1, mask=mask, other=0.0).to(tl.float32)
+def _dequantize(codes, params, vector, mask, mask2, row_width, codes_bytes):
+    """Per-vector asymmetric codes dequantised with their vector's scale and minimum (after its codes)."""
+    at = (vector * row_width + codes_bytes) // 2
+    scale = tl.load(params + at, mask=mask, other=0.0).to(tl.float32)
+    minimum = tl.load(params + at + 1, mask=mask, other=0.0).to(tl.float32)
     return tl.where(mask2, codes * scale[:, None] + minimum[:, None], 0.0)
 
 
@@ -96,7 +112,7 @@ def _scores(
     query,
     data,
     params,
-    num_params,
+    row_width,
     key_table,
     j,
     valid,
@@ -118,9 +134,7 @@ def _scores(
     q_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(query + (row * (KV_HEADS * GROUP) + head)[:, None] * HEAD_DIM + d[None, :], mask=q_mask, other=0.0)
     rows = _entry_rows(key_table, j, valid, block_size)
-    keys = _load_vectors(
-        data, params, rows, valid, kv_head, num_params, block_size, KV_HEADS, HEAD_DIM, BLOCK_D, FORMAT
-    )
+    keys = _load_vectors(data, params, rows, valid, kv_head, row_width, block_size, KV_HEADS, HEAD_DIM, BLOCK_D, FORMAT)
     s = tl.sum(q[:, None, :] * keys[None, :, :], axis=2) * scale
     return tl.where(valid[None, :], s, float("-inf"))
 
@@ -142,13 +156,13 @@ def _attend(
     key_only_stride,
     data,
     params,
-    num_params,
+    row_width,
     v_data,
     v_params,
-    v_num_params,
+    v_row_width,
     ko_data,
     ko_params,
-    ko_num_params,
+    ko_row_width,
     block_size,
     scale,
     KV_HEADS: tl.constexpr,
@@ -181,7 +195,7 @@ def _attend(
             query,
             data,
             params,
-            num_params,
+            row_width,
             key_tables + slot * key_stride,
             j,
             valid,
@@ -211,7 +225,7 @@ def _attend(
             ko_rows,
             key_only,
             kv_head,
-            ko_num_params,
+            ko_row_width,
             block_size,
             KV_HEADS,
             HEAD_DIM,
@@ -224,7 +238,7 @@ def _attend(
             full_rows,
             full,
             kv_head,
-            v_num_params,
+            v_row_width,
             block_size,
             KV_HEADS,
             HEAD_DIM,
@@ -256,7 +270,7 @@ def _observe(
     key_stride,
     data,
     params,
-    num_params,
+    row_width,
     block_size,
     scale,
     KV_HEADS: tl.constexpr,
@@ -280,7 +294,7 @@ def _observe(
             query,
             data,
             params,
-            num_params,
+            row_width,
             key_tables + slot * key_stride,
             j,
             valid,
@@ -303,14 +317,12 @@ def _observe(
 
 
 def _pool_arguments(pool: PoolTensors) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-    """A pool as kernel arguments: its data, its params (None for float formats) and params per vector
-    (0 where there are none per vector: float formats, and `int4c`, whose params the kernel addresses
-    by block, KV head and channel)."""
-    if pool.params is None:
-        return pool.data.contiguous(), None, 0
-    if pool.format == "int4c":
-        return pool.data.contiguous(), pool.params.contiguous(), 0
-    return pool.data.contiguous(), pool.params.contiguous(), pool.params.shape[-1]
+    """A pool as kernel arguments: its rows as the codes' dtype, the same memory as fp16 (where its
+    params are read; None for float formats), and the elements of a vector's row."""
+    data = pool.data.contiguous()
+    if not pool.bits:
+        return data, None, data.shape[-1]
+    return data.view(torch.int8) if pool.bits == 8 else data, data.view(torch.float16), data.shape[-1]
 
 
 def _rows_on_host(batch: DecodeBatch) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -391,7 +403,7 @@ def decode_attention_triton(batch: DecodeBatch) -> DecodeResult:
     num_keys, num_key_only = index(batch.num_keys), index(batch.num_key_only)
     key_tables, value_tables = index(batch.key_tables), index(batch.value_tables)
     key_only_tables = index(batch.key_only_tables)
-    ko_data, ko_params, ko_num_params = _pool_arguments(batch.pools[batch.key_only_pool])
+    ko_data, ko_params, ko_row_width = _pool_arguments(batch.pools[batch.key_only_pool])
     group_pad, block_d = triton.next_power_of_2(group), triton.next_power_of_2(head_dim)
     block_n = max(16, min(128, TILE_ELEMENTS // (group_pad * block_d)))
     shape = dict(
@@ -399,8 +411,8 @@ def decode_attention_triton(batch: DecodeBatch) -> DecodeResult:
     )
     for key_pool, value_pool in pairs:
         served = [r for r in range(rows) if (row_pool[r], row_value_pool[r]) == (key_pool, value_pool)]
-        data, params, num_params = _pool_arguments(batch.pools[key_pool])
-        v_data, v_params, v_num_params = _pool_arguments(batch.pools[value_pool])
+        data, params, row_width = _pool_arguments(batch.pools[key_pool])
+        v_data, v_params, v_row_width = _pool_arguments(batch.pools[value_pool])
         _attend[(len(served), kv_heads)](
             query,
             out,
@@ -417,13 +429,13 @@ def decode_attention_triton(batch: DecodeBatch) -> DecodeResult:
             key_only_tables.shape[1],
             data,
             params,
-            num_params,
+            row_width,
             v_data,
             v_params,
-            v_num_params,
+            v_row_width,
             ko_data,
             ko_params,
-            ko_num_params,
+            ko_row_width,
             batch.block_size,
             batch.scale,
             FORMAT=FORMAT_CODES[batch.pools[key_pool].format],
@@ -436,7 +448,7 @@ def decode_attention_triton(batch: DecodeBatch) -> DecodeResult:
         watched = [r for r in range(rows) if row_pool[r] == key_pool and observe[r] >= 0 and entries[r] > 0]
         if not watched:  # an empty row's stay zero
             continue
-        data, params, num_params = _pool_arguments(batch.pools[key_pool])
+        data, params, row_width = _pool_arguments(batch.pools[key_pool])
         _observe[(len(watched), triton.cdiv(width, block_n))](
             query,
             lse,
@@ -450,7 +462,7 @@ def decode_attention_triton(batch: DecodeBatch) -> DecodeResult:
             key_tables.shape[1],
             data,
             params,
-            num_params,
+            row_width,
             batch.block_size,
             batch.scale,
             FORMAT=FORMAT_CODES[batch.pools[key_pool].format],

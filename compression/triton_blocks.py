@@ -46,6 +46,7 @@ def _encode(
     rows,
     data,
     params,
+    row_width,
     stride_n,
     stride_h,
     stride_d,
@@ -55,7 +56,9 @@ def _encode(
     BLOCK_D: tl.constexpr,
     FORMAT: tl.constexpr,
 ):
-    """Entry i of x [n, kv_heads, head_dim], every head, cast or quantised into pool row rows[i]."""
+    """Entry i of x [n, kv_heads, head_dim], every head, cast or quantised into pool row rows[i]: a
+    vector's row is `row_width` elements of `data`, a quantised one's params after its codes, written
+    through `params`, the same memory as fp16."""
     i = tl.program_id(0)
     row = tl.load(rows + i).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
@@ -79,19 +82,20 @@ def _encode(
         scale_f, minimum_f = scale.to(tl.float32)[:, None], minimum.to(tl.float32)[:, None]
         low = _round_codes(tl.div_rn(first - minimum_f, scale_f), 0, 15).to(tl.uint8)
         high = _round_codes(tl.div_rn(second - minimum_f, scale_f), 0, 15).to(tl.uint8)
-        tl.store(data + vector[:, None] * (HEAD_DIM // 2) + d[None, :], low | (high << 4), mask=mask)
-        tl.store(params + vector * 2, scale, mask=h < KV_HEADS)
-        tl.store(params + vector * 2 + 1, minimum, mask=h < KV_HEADS)
+        tl.store(data + vector[:, None] * row_width + d[None, :], low | (high << 4), mask=mask)
+        at = (vector * row_width + HEAD_DIM // 2) // 2
+        tl.store(params + at, scale, mask=h < KV_HEADS)
+        tl.store(params + at + 1, minimum, mask=h < KV_HEADS)
     else:
         d = tl.arange(0, BLOCK_D)
         mask = (h < KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
         v = tl.load(source + d[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
-        target = data + vector[:, None] * HEAD_DIM + d[None, :]
+        target = data + vector[:, None] * row_width + d[None, :]
         if FORMAT == INT8:
             scale = tl.div_rn(tl.maximum(tl.max(tl.abs(v), axis=1), 1e-8), 127.0)
             codes = _round_codes(tl.div_rn(v, scale[:, None]), -127, 127).to(tl.int8)
             tl.store(target, codes, mask=mask)
-            tl.store(params + vector, scale.to(tl.float16), mask=h < KV_HEADS)
+            tl.store(params + (vector * row_width + HEAD_DIM) // 2, scale.to(tl.float16), mask=h < KV_HEADS)
         elif FORMAT == BF16:
             tl.store(target, _to_bfloat16_bits(v), mask=mask)
         else:
@@ -118,19 +122,22 @@ def _copy_rows(
         tl.store(dst + target * words + w, tl.load(src + source * words + w, mask=w < words), mask=w < words)
 
 
-def encode_rows(x: torch.Tensor, rows: torch.Tensor, data: torch.Tensor, params: torch.Tensor | None, fmt: str) -> None:
-    """Store vectors x [n, kv_heads, head_dim] at pool rows `rows` of a pool's `data` and `params`
-    (contiguous, [blocks, block_size, kv_heads, ...]) in format `fmt`, as `Codec.encode` would."""
+def encode_rows(x: torch.Tensor, rows: torch.Tensor, data: torch.Tensor, fmt: str) -> None:
+    """Store vectors x [n, kv_heads, head_dim] at pool rows `rows` of a pool's `data` (contiguous,
+    [blocks, block_size, kv_heads, row]) in format `fmt`, as `Codec.encode` and `Codec.pack` would."""
     n, kv_heads, head_dim = x.shape
     if n == 0:
         return
-    # bfloat16 is stored as its bits (see _to_bfloat16_bits).
-    target = data.view(torch.uint16) if fmt == "bfloat16" else data
+    # bfloat16 is stored as its bits (see _to_bfloat16_bits); int8 codes are signed bytes.
+    views = {"bfloat16": torch.uint16, "int8": torch.int8}
+    target = data.view(views[fmt]) if fmt in views else data
+    params = data.view(torch.float16) if fmt in ("int8", "int4") else None
     _encode[(n,)](
         x,
         rows,
         target,
         params,
+        data.shape[-1],
         *x.stride(),
         KV_HEADS=kv_heads,
         HEAD_DIM=head_dim,

@@ -18,6 +18,7 @@ from app.engine import EngineConfig, LLMEngine
 from app.outputs import RequestOutput
 from app.sequence import SamplingParams
 from compression.attention import Segment
+from compression.block_pool import BlockPool, Codec
 from compression.config import CompressionConfig
 from compression.kv_store import KVStore
 from compression.paged_attention import (
@@ -26,9 +27,7 @@ from compression.paged_attention import (
     KEY_ONLY_FORMATS,
     DecodeBatch,
     DecodeResult,
-    PoolTensors,
 )
-from compression.quant import quantize, quantize_channels
 from load_tests.monitoring import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,13 +188,15 @@ def make_pool(fmt: str, num_blocks: int, kv_heads: int, block_size: int, head_di
     # Per-vector offsets and magnitudes, so int4 minima and scales vary.
     x = x * torch.rand(num_blocks, block_size, kv_heads, 1, generator=gen).mul(2).add(0.1)
     x = x + torch.randn(num_blocks, block_size, kv_heads, 1, generator=gen) * 0.5
-    if fmt in ("float32", "float16", "bfloat16"):
-        return PoolTensors(x.to(getattr(torch, fmt)), None, fmt)
+    storage = getattr(torch, fmt) if fmt in ("float32", "float16", "bfloat16") else fmt
+    pool = BlockPool(Codec(storage, head_dim, block_size), kv_heads, block_size, torch.device("cpu"))
+    blocks = torch.tensor(pool.allocate(num_blocks))
     if fmt == "int4c":
-        return PoolTensors(*quantize_channels(x), fmt)
-    q = quantize(x, int(fmt.removeprefix("int")))
-    params = q.scale.unsqueeze(-1) if fmt == "int8" else torch.stack((q.scale, q.minimum), dim=-1)
-    return PoolTensors(q.codes, params, fmt)
+        pool.write_blocks(blocks, x, torch.full((num_blocks,), block_size))
+    else:
+        rows = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
+        pool.write_encoded(rows, *pool.codec.encode(x.flatten(0, 1)))
+    return pool.tensors()
 
 
 @st.composite
@@ -203,7 +204,7 @@ def batches(draw: st.DrawFn, max_keys: int = 300) -> DecodeBatch:
     block_size = draw(st.sampled_from([4, 16]))
     kv_heads = draw(st.integers(1, 3))
     heads = kv_heads * draw(st.integers(1, 3))
-    head_dim = draw(st.sampled_from([4, 16, 64]))
+    head_dim = draw(st.sampled_from([8, 16, 64]))  # int4c spreads 2 x head_dim params over a block's rows
     rows = draw(st.integers(1, 4))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
     # Key pools, then a pool of per-token values for the rows whose key format holds no values.

@@ -36,7 +36,6 @@ from compression.paged_attention import (
     FORMAT_CODES,
     KEY_FORMATS,
     DecodeBatch,
-    PoolTensors,
     decode_attention,
     decode_attention_reference,
 )
@@ -123,9 +122,7 @@ def real_batch(config, key_only_format: str, gen: torch.Generator) -> DecodeBatc
 
 def to_device(batch: DecodeBatch, device: torch.device) -> DecodeBatch:
     """The same batch with every tensor on `device`."""
-    pools = [
-        PoolTensors(p.data.to(device), None if p.params is None else p.params.to(device), p.format) for p in batch.pools
-    ]
+    pools = [dataclasses.replace(p, data=p.data.to(device)) for p in batch.pools]
     tensors = {
         f.name: value.to(device)
         for f in dataclasses.fields(batch)

@@ -18,9 +18,8 @@ from tests.helpers import fill_store as fill
 
 
 def make_store(max_bytes: int = 10**7, storage=None, history_steps: int = 0) -> KVStore:
-    return KVStore(
-        num_layers=3, num_kv_heads=2, head_dim=4, max_bytes=max_bytes, storage=storage, history_steps=history_steps
-    )
+    head_dim = 8 if storage == "kivi4" else 4  # int4c spreads 2 x head_dim parameters over a block's 16 rows
+    return KVStore(3, 2, head_dim, max_bytes=max_bytes, storage=storage, history_steps=history_steps)
 
 
 def check_references(store: KVStore, parked: list[ParkedKV] = ()) -> None:

@@ -131,7 +131,7 @@ def test_value_tables_are_checked_against_the_value_pool() -> None:
         )
     # Row 0's value table names blocks 7 and 6: inside the key pool, outside a value pool of 4 blocks.
     values = batch.pools[1]
-    small = dataclasses.replace(values, data=values.data[:4], params=values.params[:4])
+    small = dataclasses.replace(values, data=values.data[:4])
     with pytest.raises(IndexError, match="block tables"):
         triton_attention.decode_attention_triton(
             dataclasses.replace(batch, pools=[batch.pools[0], small, batch.pools[2]])
@@ -195,7 +195,7 @@ def appends(draw: st.DrawFn) -> tuple[str, torch.Tensor]:
     """A storage format and new entries x [n, kv_heads, head_dim] in a model dtype, some of them where
     rounding ties or degenerate ranges are common."""
     fmt = draw(st.sampled_from(FORMATS))
-    n, kv_heads, head_dim = draw(st.integers(1, 12)), draw(st.integers(1, 3)), draw(st.sampled_from([2, 6, 16, 64]))
+    n, kv_heads, head_dim = draw(st.integers(1, 12)), draw(st.integers(1, 3)), draw(st.sampled_from([4, 8, 16, 64]))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
     kind = draw(st.sampled_from(["random", "ties", "constant"]))
     shape = (n, kv_heads, head_dim)
@@ -230,16 +230,16 @@ def test_appends_are_bit_exact(case: tuple[str, torch.Tensor], seed: int) -> Non
     rows = torch.randperm(16, generator=torch.Generator().manual_seed(seed))[:n]
     reference.write(rows, x)
     kernel.write(rows, x)
-    assert same_bytes(kernel.data, reference.data) and same_bytes(kernel.params, reference.params)
+    assert same_bytes(kernel.data, reference.data)
 
 
 def test_int8_and_int4_round_half_to_even() -> None:
     int8 = pools("int8", 1, 8, blocks=1)[1]
     int8.write(torch.tensor([0]), torch.tensor([[[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5]]]))
-    assert int8.data[0, 0, 0].tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
+    assert int8.data[0, 0, 0, :8].view(torch.int8).tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
     int4 = pools("int4", 1, 8, blocks=1)[1]
     int4.write(torch.tensor([0]), torch.tensor([[[0.0, 15.0, 0.5, 1.5, 2.5, 13.5, 14.5, 7.5]]]))
-    low, high = int4.data[0, 0, 0] & 0x0F, int4.data[0, 0, 0] >> 4
+    low, high = int4.data[0, 0, 0, :4] & 0x0F, int4.data[0, 0, 0, :4] >> 4
     assert torch.cat((low, high)).tolist() == [0, 15, 0, 2, 2, 14, 14, 8]
 
 
@@ -255,7 +255,7 @@ def test_row_copies_are_bit_exact(fmt: str, seed: int) -> None:
     target = torch.randperm(16, generator=gen)[:10]
     for pool in (reference, kernel):
         pool.write_encoded(target, *pool.read_encoded(source))
-    assert same_bytes(kernel.data, reference.data) and same_bytes(kernel.params, reference.params)
+    assert same_bytes(kernel.data, reference.data)
     for a, b in zip(kernel.read_encoded(source), reference.read_encoded(source), strict=True):
         assert same_bytes(a, b)
 
@@ -276,4 +276,4 @@ def test_compaction_and_sharing_through_the_kernels_match_the_torch_path() -> No
     reference, kernel = run(False), run(True)
     assert all(pool._triton is triton_blocks for pool in kernel.pools.values())
     for name, pool in reference.pools.items():
-        assert same_bytes(kernel.pools[name].data, pool.data) and same_bytes(kernel.pools[name].params, pool.params)
+        assert same_bytes(kernel.pools[name].data, pool.data)

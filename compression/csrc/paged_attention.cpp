@@ -86,15 +86,15 @@ CONFKV_INLINE float exp_nonpositive(float x) {
   return from_bits(to_bits(y * from_bits(static_cast<uint32_t>(ni + 127) << 23)) & ~underflow);
 }
 
+// A pool's head vectors are rows of `row_bytes`: the codes, then (quantised formats) the params as fp16
+// bits: per vector, its scale (and minimum at 4 and 2 bits); for int4c, the block's params for the KV head
+// (the scales of the channels, then their minimums) spread in order over the tails of its block_size rows.
 struct Pool {
   const uint8_t* data = nullptr;
-  // fp16 bits: per entry, scale (and minimum at 4 and 2 bits); for int4c, per (block, KV head), the
-  // scales of the channels then their minimums.
-  const uint16_t* params = nullptr;
   int64_t format = kFloat32;
   int64_t num_blocks = 0;
   int64_t kv_heads = 0;
-  int64_t num_params = 0;
+  int64_t row_bytes = 0;
 };
 
 // Bytes of one entry's vector in format F.
@@ -107,31 +107,39 @@ constexpr int64_t entry_bytes(int64_t dim) {
   return dim / 4;
 }
 
+// The params of a quantised vector: the fp16 bits after its codes.
+template <int64_t F>
+CONFKV_INLINE const uint16_t* params_of(const uint8_t* row, int64_t dim) {
+  return reinterpret_cast<const uint16_t*>(row + entry_bytes<F>(dim));
+}
+
 // The vector of entry `e` as float32: a pointer into the pool for float32, else decoded into `buf`. For int4c,
 // `channels` holds its block's params for its head, decoded: the scales [dim], then the minimums [dim].
 template <int64_t F>
 CONFKV_INLINE const float* load(const Pool& pool, int64_t e, int64_t dim, float* buf, const float* channels) {
+  const uint8_t* row = pool.data + e * pool.row_bytes;
   if constexpr (F == kFloat32) {
-    return reinterpret_cast<const float*>(pool.data) + e * dim;
+    return reinterpret_cast<const float*>(row);
   } else if constexpr (F == kFloat16) {
-    const uint16_t* src = reinterpret_cast<const uint16_t*>(pool.data) + e * dim;
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(row);
 #pragma omp simd
     for (int64_t i = 0; i < dim; ++i) buf[i] = half_to_float(src[i]);
   } else if constexpr (F == kBFloat16) {
-    const uint16_t* src = reinterpret_cast<const uint16_t*>(pool.data) + e * dim;
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(row);
 #pragma omp simd
     for (int64_t i = 0; i < dim; ++i) buf[i] = from_bits(static_cast<uint32_t>(src[i]) << 16);
   } else if constexpr (F == kInt8) {
-    const int8_t* src = reinterpret_cast<const int8_t*>(pool.data) + e * dim;
-    const float scale = half_to_float(pool.params[e * pool.num_params]);
+    const int8_t* src = reinterpret_cast<const int8_t*>(row);
+    const float scale = half_to_float(params_of<F>(row, dim)[0]);
 #pragma omp simd
     for (int64_t i = 0; i < dim; ++i) buf[i] = static_cast<float>(src[i]) * scale;
   } else if constexpr (F == kInt4) {
     // Low nibble of byte i is dimension i, high nibble dimension i + dim / 2.
     const int64_t half = dim / 2;
-    const uint8_t* src = pool.data + e * half;
-    const float scale = half_to_float(pool.params[e * pool.num_params]);
-    const float minimum = half_to_float(pool.params[e * pool.num_params + 1]);
+    const uint8_t* src = row;
+    const uint16_t* params = params_of<F>(row, dim);
+    const float scale = half_to_float(params[0]);
+    const float minimum = half_to_float(params[1]);
 #pragma omp simd
     for (int64_t i = 0; i < half; ++i) {
       buf[i] = static_cast<float>(src[i] & 0x0f) * scale + minimum;
@@ -140,7 +148,7 @@ CONFKV_INLINE const float* load(const Pool& pool, int64_t e, int64_t dim, float*
   } else if constexpr (F == kInt4c) {
     // Packed as int4; the scale and minimum are the channel's.
     const int64_t half = dim / 2;
-    const uint8_t* src = pool.data + e * half;
+    const uint8_t* src = row;
     const float* scale = channels;
     const float* minimum = channels + dim;
 #pragma omp simd
@@ -152,9 +160,10 @@ CONFKV_INLINE const float* load(const Pool& pool, int64_t e, int64_t dim, float*
     static_assert(F == kInt2, "no loader for this format");
     // Bits 2k..2k+1 of byte i are dimension i + k * dim / 4 (KEY_ONLY values only).
     const int64_t quarter = dim / 4;
-    const uint8_t* src = pool.data + e * quarter;
-    const float scale = half_to_float(pool.params[e * pool.num_params]);
-    const float minimum = half_to_float(pool.params[e * pool.num_params + 1]);
+    const uint8_t* src = row;
+    const uint16_t* params = params_of<F>(row, dim);
+    const float scale = half_to_float(params[0]);
+    const float minimum = half_to_float(params[1]);
 #pragma omp simd
     for (int64_t i = 0; i < quarter; ++i) {
       buf[i] = static_cast<float>(src[i] & 0x03) * scale + minimum;
@@ -184,27 +193,24 @@ class Cursor {
     if constexpr (F == kInt4c) {
       // The params are the block's: decoded once per block, not per entry (twice as many values as its codes).
       if (index_ != channels_index_) {
-        const uint16_t* src = pool.params + channels_offset(table_[index_], pool, kv_head, dim);
+        // Each of the block's rows holds the next 2 * dim / block_size of them after its codes.
+        const int64_t share = 2 * dim / block_size_;
+        for (int64_t r = 0; r < block_size_; ++r) {
+          const uint8_t* row = pool.data + vector(table_[index_], r, pool, kv_head) * pool.row_bytes;
+          const uint16_t* src = params_of<F>(row, dim);
 #pragma omp simd
-        for (int64_t i = 0; i < 2 * dim; ++i) channels_[i] = half_to_float(src[i]);
+          for (int64_t i = 0; i < share; ++i) channels_[r * share + i] = half_to_float(src[i]);
+        }
         channels_index_ = index_;
       }
     }
-    const float* vec = load<F>(pool, entry(table_[index_], pool, kv_head), dim, buf, channels_);
+    const float* vec = load<F>(pool, vector(table_[index_], offset_, pool, kv_head), dim, buf, channels_);
     // Blocks are scattered, so the hardware prefetcher cannot follow from one block to the next:
-    // request the entry one block ahead.
+    // request the entry one block ahead (its row holds its params, and for int4c its share of the block's).
     if (index_ < last_block_) {
-      const int64_t ahead = entry(table_[index_ + 1], pool, kv_head);
-      const char* bytes = reinterpret_cast<const char*>(pool.data) + ahead * entry_bytes<F>(dim);
-      for (int64_t b = 0; b < entry_bytes<F>(dim); b += 64) __builtin_prefetch(bytes + b);
-      if constexpr (F == kInt4c) {
-        // The next block's params (4 * dim bytes), a line per entry: spread over this block's entries.
-        const char* params =
-            reinterpret_cast<const char*>(pool.params + channels_offset(table_[index_ + 1], pool, kv_head, dim));
-        for (int64_t b = offset_ * 64; b < 4 * dim; b += 64 * block_size_) __builtin_prefetch(params + b);
-      } else if (pool.params != nullptr) {
-        __builtin_prefetch(pool.params + ahead * pool.num_params);
-      }
+      const char* bytes =
+          reinterpret_cast<const char*>(pool.data) + vector(table_[index_ + 1], offset_, pool, kv_head) * pool.row_bytes;
+      for (int64_t b = 0; b < pool.row_bytes; b += 64) __builtin_prefetch(bytes + b);
     }
     if (++offset_ == block_size_) {
       offset_ = 0;
@@ -214,14 +220,9 @@ class Cursor {
   }
 
  private:
-  // Index of a head vector in the pool's [num_blocks, block_size, kv_heads] vectors.
-  CONFKV_INLINE int64_t entry(int32_t block, const Pool& pool, int64_t kv_head) const {
-    return (static_cast<int64_t>(block) * block_size_ + offset_) * pool.kv_heads + kv_head;
-  }
-
-  // int4c: index of a block's params for a head in the pool's [num_blocks, kv_heads, 2, dim] params.
-  static CONFKV_INLINE int64_t channels_offset(int32_t block, const Pool& pool, int64_t kv_head, int64_t dim) {
-    return (static_cast<int64_t>(block) * pool.kv_heads + kv_head) * 2 * dim;
+  // Index of a head vector (a row) in the pool's [num_blocks, block_size, kv_heads] rows.
+  CONFKV_INLINE int64_t vector(int32_t block, int64_t offset, const Pool& pool, int64_t kv_head) const {
+    return (static_cast<int64_t>(block) * block_size_ + offset) * pool.kv_heads + kv_head;
   }
 
   const int32_t* table_;
@@ -553,8 +554,7 @@ void check_table(const int32_t* table, int64_t stride, int64_t entries, int64_t 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
-    const at::Tensor& query, const std::vector<at::Tensor>& pool_data, const std::vector<at::Tensor>& pool_params,
-    const std::vector<int64_t>& pool_formats, const at::Tensor& row_slot, const at::Tensor& row_pool,
+    const at::Tensor& query, const std::vector<at::Tensor>& pool_data, const std::vector<int64_t>& pool_formats, const at::Tensor& row_slot, const at::Tensor& row_pool,
     const at::Tensor& row_value_pool, int64_t key_only_pool, const at::Tensor& key_tables,
     const at::Tensor& value_tables, const at::Tensor& key_only_tables, const at::Tensor& num_keys,
     const at::Tensor& num_key_only, int64_t block_size, double scale, const at::Tensor& observe_index,
@@ -565,8 +565,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
   const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
   TORCH_CHECK(dim > 0 && dim % 2 == 0, "head_dim must be even, got ", dim);
   TORCH_CHECK(block_size > 0, "block_size must be positive");
-  TORCH_CHECK(pool_data.size() == pool_params.size() && pool_data.size() == pool_formats.size() && !pool_data.empty(),
-              "pool_data, pool_params and pool_formats must be non-empty and of the same length");
+  TORCH_CHECK(pool_data.size() == pool_formats.size() && !pool_data.empty(),
+              "pool_data and pool_formats must be non-empty and of the same length");
 
   Args a{};
   a.query = query.data_ptr<float>();
@@ -578,39 +578,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
   a.group = heads / a.kv_heads;
   for (size_t i = 0; i < pool_data.size(); ++i) {
     const at::Tensor& data = pool_data[i];
-    const at::Tensor& params = pool_params[i];
     const int64_t format = pool_formats[i];
-    static const at::ScalarType dtypes[] = {at::kFloat, at::kHalf, at::kBFloat16, at::kChar, at::kByte, at::kByte,
+    static const at::ScalarType dtypes[] = {at::kFloat, at::kHalf, at::kBFloat16, at::kByte, at::kByte, at::kByte,
                                             at::kByte};
     TORCH_CHECK(format >= kFloat32 && format <= kInt4c, "pool ", i, ": unknown format code ", format);
-    const int64_t width = format == kInt4 || format == kInt4c ? dim / 2 : format == kInt2 ? dim / 4 : dim;
+    TORCH_CHECK(format != kInt4c || (2 * dim) % block_size == 0, "pool ", i, ": int4c needs 2 * head_dim (",
+                2 * dim, ") to be a multiple of block_size (", block_size, ")");
+    const int64_t codes = format == kInt4 || format == kInt4c ? dim / 2 : format == kInt2 ? dim / 4 : dim;
+    // fp16 params after the codes: a scale (int8), a scale and a minimum (int4, int2), a share of the
+    // block's (int4c); in elements of the pool's dtype (bytes for the quantised formats).
+    const int64_t params = format == kInt8                     ? 2
+                           : format == kInt4 || format == kInt2 ? 4
+                           : format == kInt4c                   ? 4 * dim / block_size
+                                                                : 0;
+    const int64_t row = codes + params;
     TORCH_CHECK(data.device().is_cpu() && data.is_contiguous() && data.scalar_type() == dtypes[format] &&
                     data.dim() == 4 && data.size(1) == block_size && data.size(2) == a.kv_heads &&
-                    data.size(3) == width,
+                    data.size(3) == row,
                 "pool ", i, ": data must be a contiguous CPU tensor [num_blocks, ", block_size, ", ", a.kv_heads, ", ",
-                width, "] of ", dtypes[format]);
+                row, "] of ", dtypes[format]);
     Pool pool;
     pool.data = static_cast<const uint8_t*>(data.data_ptr());
     pool.format = format;
     pool.num_blocks = data.size(0);
     pool.kv_heads = a.kv_heads;
-    if (format == kInt4c) {
-      TORCH_CHECK(params.device().is_cpu() && params.is_contiguous() && params.scalar_type() == at::kHalf &&
-                      params.dim() == 4 && params.size(0) == data.size(0) && params.size(1) == a.kv_heads &&
-                      params.size(2) == 2 && params.size(3) == dim,
-                  "pool ", i, ": int4c params must be a contiguous float16 CPU tensor [num_blocks, ", a.kv_heads,
-                  ", 2, ", dim, "]");
-      pool.params = reinterpret_cast<const uint16_t*>(params.data_ptr());
-    } else if (format >= kInt8) {
-      const int64_t needed = format == kInt8 ? 1 : 2;
-      TORCH_CHECK(params.device().is_cpu() && params.is_contiguous() && params.scalar_type() == at::kHalf &&
-                      params.dim() == 4 && params.size(0) == data.size(0) && params.size(1) == block_size &&
-                      params.size(2) == a.kv_heads && params.size(3) >= needed,
-                  "pool ", i, ": params must be a contiguous float16 CPU tensor [num_blocks, ", block_size, ", ",
-                  a.kv_heads, ", ", needed, "]");
-      pool.params = reinterpret_cast<const uint16_t*>(params.data_ptr());
-      pool.num_params = params.size(3);
-    }
+    pool.row_bytes = row * data.element_size();
     a.pools.push_back(pool);
   }
   const auto num_pools = static_cast<int64_t>(a.pools.size());
@@ -728,7 +720,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
         "Decode attention over the block-paged KV pool; see compression/paged_attention.py",
-        py::arg("query"), py::arg("pool_data"), py::arg("pool_params"), py::arg("pool_formats"), py::arg("row_slot"),
+        py::arg("query"), py::arg("pool_data"), py::arg("pool_formats"), py::arg("row_slot"),
         py::arg("row_pool"), py::arg("row_value_pool"), py::arg("key_only_pool"), py::arg("key_tables"),
         py::arg("value_tables"), py::arg("key_only_tables"), py::arg("num_keys"), py::arg("num_key_only"),
         py::arg("block_size"), py::arg("scale"), py::arg("observe_index"), py::arg("num_observed"),
