@@ -61,9 +61,10 @@ class EngineSnapshot:
     num_running: int
     num_waiting: int
     capacity_bytes: int
+    allocated_bytes: int  # the arena every block lives in, allocated at start
     kv_bytes: dict[str, int]  # by pool: running requests, prefix cache, audit of dropped keys
     entries: dict[str, int]  # (layer, token) entries of running requests, by tier
-    format_bytes: dict[str, int]  # the block pools' memory, by storage format
+    format_bytes: dict[str, int]  # the arena's pages each storage format's pool holds
     bookkeeping_bytes: int  # the parked caches' tables, positions and key norms
     evicted: dict[str, int]  # (layer, token) entries removed, by reason
     prefix_queries: int = 0  # the prefix cache's counters (zero without one)
@@ -110,6 +111,8 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, self.store)
         self.prefix_cache = PrefixCache(self.store, config.lru_k) if config.prefix_cache else None
+        if self.prefix_cache is not None:
+            self.store.reclaim = self.prefix_cache.evict_one
         self.outputs = Outputs(tokenizer.backend_tokenizer)
         # In this order: the compression metrics are read before the prefix cache takes the KV,
         # and the final output carries them.
@@ -220,6 +223,7 @@ class LLMEngine:
             num_running=self.num_running,
             num_waiting=self.num_waiting,
             capacity_bytes=store.max_bytes,
+            allocated_bytes=store.allocated_bytes,
             kv_bytes={"running": running, "prefix": store.used_bytes - running, "audit": self.compression.audit_bytes},
             entries=store.entry_counts(),
             format_bytes=store.pool_bytes,

@@ -213,6 +213,11 @@ class _EngineCollector(Collector):
         )
         yield GaugeMetricFamily("kv_cache_capacity_bytes", "KV cache budget (max_cache_size)", now.capacity_bytes)
         yield GaugeMetricFamily(
+            "kv_cache_allocated_bytes",
+            "Memory the KV cache's blocks live in, allocated once at start (the budget and a few spare pages)",
+            now.allocated_bytes,
+        )
+        yield GaugeMetricFamily(
             "kv_cache_usage_ratio",
             "KV cache bytes held within the budget (running and prefix) / budget",
             now.used_bytes / now.capacity_bytes,
@@ -223,7 +228,7 @@ class _EngineCollector(Collector):
         yield _labelled(
             GaugeMetricFamily,
             "kv_cache_pool_bytes",
-            "Memory of the KV block pools, by storage format: blocks in use and free (pools grow, never shrink)",
+            "Pages of the KV arena each storage format's pool holds, blocks in use and free",
             "format",
             now.format_bytes,
         )

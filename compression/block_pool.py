@@ -12,9 +12,11 @@ are written whole (`write_blocks`). Blocks are counted by reference so that the 
 sequences that reuse a prefix share them without copying; a block is written only while one holder
 has it.
 
-A pool grows in large steps (by half, at least `MIN_GROWTH` blocks) and never shrinks: the KV
-store decides what may be held (the budget); the pool is where it lives. New blocks are zeroed, so
-the memory a pool reports is memory the process really holds.
+A pool lives in the KV cache's arena (`compression.arena`): its tensor views the whole arena as its
+grid of blocks, and it uses the blocks inside the pages it holds. It takes a page when it has no
+free block left, hands out blocks lowest first, and gives a page back when another pool needs one
+and none of its blocks is in use. The KV store decides what may be held (the budget); the pool is
+where it lives.
 
 On CUDA, with Triton, an append is cast or quantised and scattered by one kernel, and rows are copied
 by another (`compression.triton_blocks`): the same bytes as the torch path, in fewer launches.
@@ -22,16 +24,16 @@ by another (`compression.triton_blocks`): the same bytes as the torch path, in f
 
 from __future__ import annotations
 
+import heapq
 import math
 from statistics import NormalDist
 from types import ModuleType
 
 import torch
 
+from compression.arena import Arena, ArenaFull
 from compression.paged_attention import PoolTensors
 from compression.quant import SCALE_DTYPE, bytes_per_vector, quantize, quantize_channels
-
-MIN_GROWTH = 64
 
 
 class Codec:
@@ -116,38 +118,69 @@ class Codec:
 
 
 class BlockPool:
-    def __init__(self, codec: Codec, kv_heads: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, codec: Codec, kv_heads: int, block_size: int, arena: Arena) -> None:
         self.codec = codec
         self.kv_heads = kv_heads
         self.block_size = block_size
-        self.device = device
-        self._triton = _triton_blocks(device)
-        self._set_storage(self._empty_data(0))
-        self.refs: list[int] = []
-        self.free_ids: list[int] = []
+        self.arena = arena
+        self.device = arena.memory.device
+        self._triton = _triton_blocks(self.device)
+        self.data = arena.grid((block_size, kv_heads, codec.row_width), codec.storage_dtype)
+        # One row per entry, as words: what writes and reads index.
+        self._rows = _rows(self.data)
+        self.refs: dict[int, int] = {}  # blocks in use -> their references
+        self._free: list[int] = []  # a heap of the free blocks inside the pages held: the lowest first
+        self._pages: dict[int, int] = {}  # pages held -> their blocks in use
+        arena.pools.append(self)
 
     @property
     def block_bytes(self) -> int:
         return self.kv_heads * self.block_size * self.codec.vector_bytes
 
     @property
-    def num_blocks(self) -> int:
+    def used_blocks(self) -> int:
         return len(self.refs)
 
     @property
+    def pages(self) -> list[int]:
+        """The arena's pages this pool holds."""
+        return list(self._pages)
+
+    @property
+    def free_blocks(self) -> list[int]:
+        """Its blocks in those pages that no table holds."""
+        return sorted(self._free)
+
+    @property
     def capacity_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes
+        """The arena's memory this pool holds: its pages."""
+        return len(self._pages) * self.arena.page_bytes
 
     def tensors(self) -> PoolTensors:
         return PoolTensors(self.data, self.codec.name, self.codec.head_dim)
 
+    def pages_needed(self, n: int) -> int:
+        """Pages this pool must take to hand out n more blocks."""
+        short = n - len(self._free)
+        if short <= 0:
+            return 0
+        per_page = self.arena.page_bytes // self.block_bytes - (self.arena.page_bytes % self.block_bytes > 0)
+        return -(-short // per_page)
+
     def allocate(self, n: int) -> list[int]:
-        """n blocks with one reference each."""
-        if n > len(self.free_ids):
-            self._grow(n - len(self.free_ids))
-        ids = [self.free_ids.pop() for _ in range(n)]
+        """n blocks with one reference each; raises ArenaFull (holding nothing more) when the arena has
+        no page left for them."""
+        if self.pages_needed(n) > self.arena.spare_pages(self):
+            raise ArenaFull(f"{self.codec.name} needs {self.pages_needed(n)} more pages of the arena")
+        while len(self._free) < n:
+            page = self.arena.lend()
+            self._pages[page] = 0
+            for block in self.arena.blocks_in(page, self.block_bytes):
+                heapq.heappush(self._free, block)
+        ids = [heapq.heappop(self._free) for _ in range(n)]
         for b in ids:
             self.refs[b] = 1
+            self._pages[self._page(b)] += 1
         return ids
 
     def ref(self, ids: list[int]) -> None:
@@ -160,9 +193,29 @@ class BlockPool:
         for b in ids:
             self.refs[b] -= 1
             if self.refs[b] == 0:
-                self.free_ids.append(b)
+                del self.refs[b]
+                heapq.heappush(self._free, b)
+                self._pages[self._page(b)] -= 1
                 freed += 1
         return freed
+
+    def give_back_empty_pages(self) -> int:
+        """Return to the arena the pages none of whose blocks is in use; how many there were."""
+        empty = {page for page, used in self._pages.items() if used == 0}
+        if empty:
+            self._free = [b for b in self._free if self._page(b) not in empty]
+            heapq.heapify(self._free)
+            for page in empty:
+                del self._pages[page]
+                self.arena.give_back(page)
+        return len(empty)
+
+    @property
+    def empty_pages(self) -> int:
+        return sum(1 for used in self._pages.values() if used == 0)
+
+    def _page(self, block: int) -> int:
+        return block * self.block_bytes // self.arena.page_bytes
 
     def write(self, rows: torch.Tensor, x: torch.Tensor) -> None:
         """Store vectors x [n, kv_heads, head_dim] as entries `rows` (block * block_size + offset)."""
@@ -205,25 +258,6 @@ class BlockPool:
         out = self._rows.new_empty(len(rows), self._rows.shape[1])
         self._triton.copy_rows(self._rows, out, rows, None)
         return out
-
-    def _grow(self, at_least: int) -> None:
-        n = self.num_blocks
-        grown = n + max(at_least, n // 2, MIN_GROWTH)
-        data = self._empty_data(grown)
-        data[:n] = self.data
-        self._set_storage(data)
-        self.refs.extend([0] * (grown - n))
-        # Lowest ids last, so they are handed out first.
-        self.free_ids = list(range(grown - 1, n - 1, -1)) + self.free_ids
-
-    def _set_storage(self, data: torch.Tensor) -> None:
-        self.data = data
-        # One row per entry, as words: what writes and reads index (a view, made once per growth).
-        self._rows = _rows(data)
-
-    def _empty_data(self, blocks: int) -> torch.Tensor:
-        shape = (blocks, self.block_size, self.kv_heads, self.codec.row_width)
-        return torch.zeros(shape, dtype=self.codec.storage_dtype, device=self.device)
 
 
 def _triton_blocks(device: torch.device) -> ModuleType | None:

@@ -11,6 +11,7 @@ collection watch it without replacing its methods.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,12 +22,14 @@ import torch
 
 from compression.config import CompressionParams
 from compression.history import TierHistory
-from compression.kv_store import Keep, KVStore, LayerKV
+from compression.kv_store import Keep, KVBudgetExceeded, KVStore, LayerKV
 from compression.predictor.calibration import Calibration, Source
 from compression.predictor.misses import Dropped
 from compression.predictor.online import Forecast, FutureValue, PredictionJob
 from compression.scoring import LayerEntries, ScorePolicy
 from compression.tiers import adaptive_weights, plan_tiers, pyramid_weights, threshold_bytes
+
+log = logging.getLogger(__name__)
 
 
 class _Budget(NamedTuple):
@@ -480,7 +483,7 @@ class Compressor:
         layer_bytes = self._layer_bytes(state, per_layer)
         over = self._over(seq_id, layer_bytes, budget.rounding)
         full_bytes, key_only_bytes = budget.full_bytes, budget.key_only_bytes
-        keep = {}
+        keep, dropped = {}, {}
         for layer, kv, protected, scores, _, _ in judged:
             if not over[layer]:
                 continue
@@ -496,15 +499,22 @@ class Compressor:
             )
             if plan.dropped.numel() == 0 and plan.keep_key_only.numel() == kv.num_key_only:
                 continue
-            if self._audits(state) and plan.dropped.numel():
-                self._audit(state, layer, store.view(seq_id, layer).keys.index_select(1, plan.dropped))
-                if self._logs_misses(state):  # in the audit's order, so the audit's masses line up
-                    known = state.misses.get(layer) or Dropped.none(predicted[layer].windows)
-                    state.misses[layer] = known.add(predicted[layer].windows[plan.dropped], state.decode_steps)
+            if self._audits(state) and plan.dropped.numel():  # the keys, before compaction lets them go
+                dropped[layer] = (plan.dropped, store.view(seq_id, layer).keys.index_select(1, plan.dropped))
             keep[layer] = Keep(full=plan.keep_full, key_only=plan.keep_key_only)
         state.judged_until = num_tokens
-        if keep:
+        if not keep:
+            return
+        try:
             store.compact(seq_id, keep)
+        except KVBudgetExceeded as exc:  # the arena's pages are held by other formats: again next interval
+            log.debug("sequence %d not compacted: %s", seq_id, exc)
+            return
+        for layer, (entries, keys) in dropped.items():
+            self._audit(state, layer, keys)
+            if self._logs_misses(state):  # in the audit's order, so the audit's masses line up
+                known = state.misses.get(layer) or Dropped.none(predicted[layer].windows)
+                state.misses[layer] = known.add(predicted[layer].windows[entries], state.decode_steps)
 
     def _judge(self, judged: list[_Judged], budget: _Budget, state: SequenceState, num_tokens: int) -> float:
         """Bytes each layer may hold, as the thresholds judge the request: its share of what they keep

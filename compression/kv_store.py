@@ -39,6 +39,7 @@ import numpy as np
 import psutil
 import torch
 
+from compression.arena import Arena
 from compression.block_pool import BlockPool, Codec
 from compression.paged_attention import DecodeBatch
 from compression.quant import random_rotation
@@ -193,6 +194,8 @@ class KVStore:
         self.block_size = block_size
         self.rotation = random_rotation(head_dim).to(self.device) if key_rotation else None
         self.codec = self.make_codec(storage)  # the default storage precision
+        # All the KV memory, allocated once: every format's pool borrows its pages.
+        self.arena = Arena.for_budget(max_bytes, num_kv_heads * block_size * head_dim * 4, self.device)
         self.pools: dict[str, BlockPool] = {}
         self.key_only_pool = self._pool(Codec(f"int{key_only_bits}", head_dim))
         self.evicted_entries: Counter[str] = Counter()  # (layer, token) entries removed, by reason
@@ -208,6 +211,10 @@ class KVStore:
         self.meta: dict[str, torch.Tensor] = {}
         self._grow_meta(0, 64)
         self.parked_bookkeeping_bytes = 0  # of the parked caches alive
+        # Frees one parked cache (the prefix cache's eviction); True if there was one. A compaction whose
+        # fresh blocks find no page asks it, as parked caches that share a sequence's blocks are what
+        # hold the pages then.
+        self.reclaim: Callable[[], bool] | None = None
 
     @classmethod
     def for_model(
@@ -285,8 +292,13 @@ class KVStore:
     @property
     def used_bytes(self) -> int:
         """Every block in use, running or parked, and the parked caches' bookkeeping."""
-        blocks = sum((pool.num_blocks - len(pool.free_ids)) * pool.block_bytes for pool in self.pools.values())
+        blocks = sum(pool.used_blocks * pool.block_bytes for pool in self.pools.values())
         return blocks + self.parked_bookkeeping_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        """The memory the cache's blocks live in (the arena): allocated at start, whatever is in use."""
+        return self.arena.nbytes
 
     @property
     def running_bytes(self) -> int:
@@ -308,7 +320,7 @@ class KVStore:
 
     @property
     def pool_bytes(self) -> dict[str, int]:
-        """Memory each storage format's pool holds, in use or free."""
+        """The arena's memory each storage format's pool holds (its pages), in use or free."""
         return {name: pool.capacity_bytes for name, pool in self.pools.items()}
 
     @property
@@ -372,11 +384,13 @@ class KVStore:
         need_values -= self.num_blocks[VALUES, :, slot]
         needed = int(need_keys.clip(0).sum()) * pools[KEYS].block_bytes
         needed += int(need_values.clip(0).sum()) * pools[VALUES].block_bytes
-        if needed > self.free_bytes:
+        blocks = [(pools[KEYS], int(need_keys.clip(0).sum())), (pools[VALUES], int(need_values.clip(0).sum()))]
+        if needed > self.free_bytes or not self._arena_fits(blocks):
             if created:
                 self._close_slot(seq_id)
             raise KVBudgetExceeded(
                 f"sequence {seq_id} needs {needed} more KV bytes; {self.free_bytes} of {self.max_bytes} are free"
+                + ("" if needed > self.free_bytes else ", but the arena's pages are held by other storage formats")
             )
         self._ensure_capacity(int(lengths.max()) + num_new)
         for kind, need in ((KEYS, need_keys), (VALUES, need_values)):
@@ -562,6 +576,8 @@ class KVStore:
         partial = {(kind, int(layer)) for kind in range(3) for layer in np.flatnonzero(counts[kind] % self.block_size)}
         if sum(pools[kind].block_bytes for kind, _ in partial) + parked.bookkeeping_bytes > self.free_bytes:
             return None
+        if not self._arena_fits([(pools[kind], 1) for kind, _ in partial]):
+            return None
         self.parked_bookkeeping_bytes += parked.bookkeeping_bytes
         copies: dict[int, list[tuple[int, int]]] = {}  # pool -> (block, its copy) pairs
         for kind, layers in enumerate(parked.tables):
@@ -664,7 +680,7 @@ class KVStore:
 
     def _pool(self, codec: Codec) -> BlockPool:
         if codec.name not in self.pools:
-            self.pools[codec.name] = BlockPool(codec, self.num_kv_heads, self.block_size, self.device)
+            self.pools[codec.name] = BlockPool(codec, self.num_kv_heads, self.block_size, self.arena)
         return self.pools[codec.name]
 
     def _pools_of(self, codec: Codec) -> tuple[BlockPool, BlockPool, BlockPool]:
@@ -770,9 +786,11 @@ class KVStore:
         the whole blocks of that run are shared, the rest is written into fresh blocks. Every layer
         is done at once: one read and one write per table kind, whatever the number of layers.
         Everything is read before anything the slot held is let go. With `charge` the fresh blocks
-        must fit in the budget (else KVBudgetExceeded, nothing changed); compaction does not check,
-        since it only ever gives bytes back, up to one block of rounding per table. int4c keys are
-        read as keys and their fresh blocks encoded anew (their parameters are the blocks').
+        must fit in the budget; compaction does not check it, since it only ever gives bytes back, up
+        to one block of rounding per table. Either way they must fit in the arena's pages, counting
+        those the rebuild lets go of first (a newly KEY_ONLY value may need a page of another format):
+        else KVBudgetExceeded, nothing changed. int4c keys are read as keys and their fresh blocks
+        encoded anew (their parameters are the blocks').
         """
         if not keep:
             return
@@ -794,19 +812,25 @@ class KVStore:
             fresh = sum(_blocks(n, bs) * pools[kind].block_bytes for lay in layouts for kind, (_, n) in enumerate(lay))
             if fresh > self.free_bytes:
                 raise KVBudgetExceeded(f"a cached prefix needs {fresh} bytes; {self.free_bytes} are free")
+        while not self._rebuild_fits(slot, pools, layers, layouts):
+            # Never while adopting: the parked cache read from could be the one to go.
+            if charge or self.reclaim is None or not self.reclaim():
+                raise KVBudgetExceeded("the arena's pages are held by other storage formats")
 
         targets: list[list[np.ndarray]] = [[], [], []]
         fresh_keys = []  # per layer: the fresh blocks of its keys table
         for layer, layout in zip(layers, layouts, strict=True):
             for kind, (shared, n) in enumerate(layout):
                 old = self.tables[kind, layer, slot, : self.num_blocks[kind, layer, slot]].copy()
+                # What stays is shared first; what goes is given back before fresh blocks are taken (it
+                # was read above), so that a compaction finds room in the blocks it frees.
                 pools[kind].ref(shared.tolist())
+                pools[kind].unref(old.tolist())
                 self.num_blocks[kind, layer, slot] = 0
                 fresh = pools[kind].allocate(_blocks(n, bs))
                 self._extend(kind, layer, slot, [*shared.tolist(), *fresh])
                 start = len(shared) * bs
                 targets[kind].append(_entry_rows(self.tables[kind, layer, slot], np.arange(start, start + n), bs))
-                pools[kind].unref(old.tolist())
                 if kind == KEYS:
                     fresh_keys.append(np.array(fresh, dtype=np.int64))
         if per_channel:
@@ -819,6 +843,24 @@ class KVStore:
         self._copy_meta(slot, source, layers, [order for order, _ in orders])
         self.lengths[layers, slot] = [len(order) for order, _ in orders]
         self.key_only[layers, slot] = [n_ko for _, n_ko in orders]
+
+    def _arena_fits(self, blocks: list[tuple[BlockPool, int]]) -> bool:
+        """Can these pools hand out these many more blocks (pools may repeat) from the arena's pages?"""
+        wanted: dict[int, list] = {}
+        for pool, n in blocks:
+            wanted.setdefault(id(pool), [pool, 0])[1] += n
+        pages = sum(pool.pages_needed(n) for pool, n in wanted.values())
+        return pages <= self.arena.spare_pages(*(pool for pool, _ in wanted.values()))
+
+    def _rebuild_fits(self, slot: int, pools: tuple[BlockPool, ...], layers: list[int], layouts: list) -> bool:
+        """Do a rebuild's fresh blocks fit in the arena, counting the blocks it lets go of first?"""
+        blocks = []
+        for layer, layout in zip(layers, layouts, strict=True):
+            for kind, (shared, n) in enumerate(layout):
+                let_go = self.tables[kind, layer, slot, len(shared) : self.num_blocks[kind, layer, slot]]
+                freed = sum(1 for b in let_go.tolist() if pools[kind].refs[b] == 1)
+                blocks.append((pools[kind], _blocks(n, self.block_size) - freed))
+        return self._arena_fits(blocks)
 
     def _channel_writes(self, token_slot: np.ndarray, key_index: np.ndarray) -> list[ChannelWrite]:
         """Per layer, the blocks that these new int4c keys (of slots `token_slot`, at `key_index`

@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from app.engine import EngineConfig, LLMEngine
 from app.outputs import RequestOutput
 from app.sequence import SamplingParams
+from compression.arena import Arena
 from compression.attention import Segment
 from compression.block_pool import BlockPool, Codec
 from compression.config import CompressionConfig
@@ -189,7 +190,9 @@ def make_pool(fmt: str, num_blocks: int, kv_heads: int, block_size: int, head_di
     x = x * torch.rand(num_blocks, block_size, kv_heads, 1, generator=gen).mul(2).add(0.1)
     x = x + torch.randn(num_blocks, block_size, kv_heads, 1, generator=gen) * 0.5
     storage = getattr(torch, fmt) if fmt in ("float32", "float16", "bfloat16") else fmt
-    pool = BlockPool(Codec(storage, head_dim, block_size), kv_heads, block_size, torch.device("cpu"))
+    codec = Codec(storage, head_dim, block_size)
+    block_bytes = kv_heads * block_size * codec.vector_bytes
+    pool = BlockPool(codec, kv_heads, block_size, Arena(num_blocks * block_bytes, block_bytes))
     blocks = torch.tensor(pool.allocate(num_blocks))
     if fmt == "int4c":
         pool.write_blocks(blocks, x, torch.full((num_blocks,), block_size))

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from compression.arena import SPARE_PAGES
 from compression.attention import Segment
 from compression.kv_store import BLOCK_SIZE, Keep, KVBudgetExceeded, KVStore, ParkedKV
 from compression.paged_attention import decode_attention, decode_attention_reference
@@ -36,13 +37,17 @@ def check_references(store: KVStore, parked: list[ParkedKV] = ()) -> None:
         for name, layers in zip(names, cache.tables, strict=True):
             for blocks in layers:
                 expected[name].update(blocks.tolist())
-    used = 0
+    used, lent = 0, []
     for name, pool in store.pools.items():
-        held = {b: r for b, r in enumerate(pool.refs) if r}
-        assert held == dict(expected[name]), name
-        assert sorted(pool.free_ids) == [b for b, r in enumerate(pool.refs) if r == 0]
-        used += len(held) * pool.block_bytes
+        assert pool.refs == dict(expected[name]), name
+        # Every block inside the pages a pool holds is free or in use, never both; none lies outside them.
+        inside = {b for page in pool.pages for b in store.arena.blocks_in(page, pool.block_bytes)}
+        assert set(pool.free_blocks).isdisjoint(pool.refs) and set(pool.free_blocks) | set(pool.refs) == inside
+        used += len(pool.refs) * pool.block_bytes
+        lent += pool.pages
+    assert len(lent) == len(set(lent)) and len(lent) + store.arena.free_pages == store.arena.num_pages
     assert store.used_bytes == used + sum(cache.bookkeeping_bytes for cache in parked)
+    assert store.allocated_bytes == store.arena.nbytes
 
 
 def test_write_view_roundtrip():
@@ -184,6 +189,54 @@ def test_accounting_matches_references_and_budget(ops, budget_tokens, storage):
     for cache in parked:
         store.discard(cache)
     assert store.used_bytes == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=ops,
+    formats=st.lists(st.sampled_from(["auto", "float16", "int8", "int4", "kivi4"]), min_size=5, max_size=5),
+    budget_tokens=st.integers(16, 400),
+)
+def test_the_arena_bounds_memory_whatever_the_mix_of_formats(ops, formats, budget_tokens):
+    """Sequences at every storage format, growing, compacted, parked, shared, adopted and freed in any
+    order: the memory every block lives in is allocated once, the budget and its spare pages, and
+    what one format held serves another once it is let go."""
+    store = make_store(storage="kivi4")  # head_dim 8: every format can be stored
+    budget = budget_tokens * store.num_layers * store.entry_bytes(store.make_codec("auto"))[0]
+    store = make_store(max_bytes=budget, storage="kivi4")
+    memory, allocated = store.arena.memory.data_ptr(), store.allocated_bytes
+    assert budget <= allocated <= budget + SPARE_PAGES * store.arena.page_bytes
+    parked: list[ParkedKV] = []
+    for op, seq_id, n in ops:
+        with contextlib.suppress(KVBudgetExceeded):  # refused, nothing changed: the budget or the pages
+            if op == "grow":
+                if seq_id not in store:
+                    store.set_storage(seq_id, formats[seq_id])
+                fill(store, seq_id, n, start=store.seq_length(seq_id))
+            elif op == "free":
+                store.free(seq_id, preempted=n % 2 == 0)
+            elif op == "park" and seq_id in store:
+                parked.append(store.park(seq_id))
+            elif op == "share" and seq_id in store:
+                parked += [shared] if (shared := store.share(seq_id)) is not None else []
+            elif op == "adopt" and parked and seq_id not in store:
+                store.adopt(seq_id, parked[n % len(parked)], n)
+            elif op == "compact" and seq_id in store:
+                store.compact(seq_id, {layer: mixed_keep(store, seq_id, layer, n) for layer in range(n % 4)})
+        check_references(store, parked)
+        assert store.arena.memory.data_ptr() == memory and store.allocated_bytes == allocated
+        assert sum(store.pool_bytes.values()) <= allocated
+    for seq_id in range(5):
+        store.free(seq_id)
+    for cache in parked:
+        store.discard(cache)
+    assert store.used_bytes == 0
+    # All of it serves one format now: a sequence at the model's dtype takes nearly the whole budget.
+    whole = budget // (store.num_layers * 2 * store.block_bytes(store.make_codec("auto")))
+    store.set_storage(9, "auto")
+    fill(store, 9, whole * store.block_size)
+    assert store.used_bytes > budget - store.num_layers * 2 * store.block_bytes(store.make_codec("auto"))
+    check_references(store)
 
 
 def mixed_keep(store: KVStore, seq_id: int, layer: int, pattern: int) -> Keep:

@@ -186,31 +186,41 @@ def test_a_hit_too_big_to_copy_beside_its_source_is_prefilled_instead(model, tok
     assert engine.store.used_bytes <= budget
 
 
-def test_a_compaction_beside_a_parked_prompt_is_paid_back_before_the_next_forward_pass(model, tokenizer):
+def test_a_compaction_beside_a_parked_prompt_takes_its_pages_from_the_parked_prompt(model, tokenizer):
     """The compaction writes the kept entries into fresh blocks while the parked prompt holds the old
-    ones: that may pass the budget for a moment, and the prefix cache gives it back at once."""
+    ones: where the arena has no page left for them, the prefix cache gives the parked prompt back,
+    and the compaction goes ahead, never past the arena, and no forward pass past the budget."""
     prompt = ids(tokenizer, 300, seed=30)
     budget = int(1.15 * make_engine(model, tokenizer).store.bytes_for(len(prompt) + 16))
     engine = make_engine(model, tokenizer, max_cache_bytes=budget, compression=SETTINGS, prefix_cache=True)
     request = {"policy": "h2o", "compression_rate": 0.5, "kv_cache_dtype": "auto"}
     engine.add_request(
-        "r", prompt, greedy(12, ignore_eos=True), resolve(engine.compression_config, request, True, False)
+        "r", prompt, greedy(12, ignore_eos=True), resolve(engine.compression_config, request, True, True)
     )
     at_forward, after_step = [], []
     schedule = engine.scheduler.schedule
+    evict_one = engine.store.reclaim
+    reclaimed = []
 
     def recording_schedule():
         out = schedule()
         at_forward.append(engine.store.used_bytes)
         return out
 
+    def recording_reclaim():
+        reclaimed.append(engine.store.used_bytes)
+        return evict_one()
+
     engine.scheduler.schedule = recording_schedule
+    engine.store.reclaim = recording_reclaim
+    outputs = []
     while engine.has_unfinished():
-        engine.step()
+        outputs += engine.step()
         after_step.append(engine.store.used_bytes)
-    assert max(after_step) > budget  # the compaction beside the parked prompt went over...
-    assert max(at_forward) <= budget  # ...and no forward pass ran over the budget
-    assert len(engine.prefix_cache) == 0  # the parked prompt paid for it
+    assert reclaimed  # the compaction found no page...
+    assert len(engine.prefix_cache) == 0  # ...and the parked prompt paid for it
+    assert max(at_forward) <= budget and max(after_step) <= engine.store.allocated_bytes
+    assert outputs[-1].compression_metrics["compression_ratio"] < 0.6  # compressed as asked
 
 
 def test_a_request_that_cannot_fit_waits_without_emptying_the_cache_and_counts_one_query(model, tokenizer):

@@ -22,6 +22,7 @@ if torch.cuda.is_available():  # conftest interprets Triton only without a GPU
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from compression import kernels, triton_attention, triton_blocks  # noqa: E402
+from compression.arena import Arena  # noqa: E402
 from compression.block_pool import BlockPool, Codec  # noqa: E402
 from compression.kv_store import Keep, KVStore  # noqa: E402
 from compression.paged_attention import DecodeBatch, decode_attention, decode_attention_reference  # noqa: E402
@@ -177,7 +178,9 @@ def pools(fmt: str, kv_heads: int, head_dim: int, blocks: int) -> tuple[BlockPoo
     for use_triton in (False, True):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(kernels, "triton_enabled", lambda device, use=use_triton: use)
-            pool = BlockPool(Codec(storage(fmt), head_dim), kv_heads, block_size=4, device=torch.device("cpu"))
+            codec = Codec(storage(fmt), head_dim)
+            block_bytes = kv_heads * 4 * codec.vector_bytes
+            pool = BlockPool(codec, kv_heads, block_size=4, arena=Arena(blocks * block_bytes, block_bytes))
         pool.allocate(blocks)
         made.append(pool)
     assert made[0]._triton is None and made[1]._triton is triton_blocks
@@ -276,4 +279,5 @@ def test_compaction_and_sharing_through_the_kernels_match_the_torch_path() -> No
     reference, kernel = run(False), run(True)
     assert all(pool._triton is triton_blocks for pool in kernel.pools.values())
     for name, pool in reference.pools.items():
-        assert same_bytes(kernel.pools[name].data, pool.data)
+        held = sorted(pool.refs)  # the arena's other bytes are whatever was there
+        assert kernel.pools[name].refs == pool.refs and same_bytes(kernel.pools[name].data[held], pool.data[held])
