@@ -131,6 +131,7 @@ class BlockPool:
         self.refs: dict[int, int] = {}  # blocks in use -> their references
         self._free: list[int] = []  # a heap of the free blocks inside the pages held: the lowest first
         self._pages: dict[int, int] = {}  # pages held -> their blocks in use
+        self.empty_pages = 0  # pages held with no block in use
         arena.pools.append(self)
 
     @property
@@ -175,12 +176,15 @@ class BlockPool:
         while len(self._free) < n:
             page = self.arena.lend()
             self._pages[page] = 0
+            self.empty_pages += 1
             for block in self.arena.blocks_in(page, self.block_bytes):
                 heapq.heappush(self._free, block)
         ids = [heapq.heappop(self._free) for _ in range(n)]
         for b in ids:
             self.refs[b] = 1
-            self._pages[self._page(b)] += 1
+            page = self._page(b)
+            self.empty_pages -= self._pages[page] == 0
+            self._pages[page] += 1
         return ids
 
     def ref(self, ids: list[int]) -> None:
@@ -195,24 +199,23 @@ class BlockPool:
             if self.refs[b] == 0:
                 del self.refs[b]
                 heapq.heappush(self._free, b)
-                self._pages[self._page(b)] -= 1
+                page = self._page(b)
+                self._pages[page] -= 1
+                self.empty_pages += self._pages[page] == 0
                 freed += 1
         return freed
 
-    def give_back_empty_pages(self) -> int:
-        """Return to the arena the pages none of whose blocks is in use; how many there were."""
+    def give_back_empty_pages(self) -> None:
+        """Return to the arena the pages none of whose blocks is in use."""
+        if not self.empty_pages:
+            return
         empty = {page for page, used in self._pages.items() if used == 0}
-        if empty:
-            self._free = [b for b in self._free if self._page(b) not in empty]
-            heapq.heapify(self._free)
-            for page in empty:
-                del self._pages[page]
-                self.arena.give_back(page)
-        return len(empty)
-
-    @property
-    def empty_pages(self) -> int:
-        return sum(1 for used in self._pages.values() if used == 0)
+        self._free = [b for b in self._free if self._page(b) not in empty]
+        heapq.heapify(self._free)
+        for page in empty:
+            del self._pages[page]
+            self.arena.give_back(page)
+        self.empty_pages = 0
 
     def _page(self, block: int) -> int:
         return block * self.block_bytes // self.arena.page_bytes

@@ -850,7 +850,7 @@ class KVStore:
         for pool, n in blocks:
             wanted.setdefault(id(pool), [pool, 0])[1] += n
         pages = sum(pool.pages_needed(n) for pool, n in wanted.values())
-        return pages <= self.arena.spare_pages(*(pool for pool, _ in wanted.values()))
+        return pages == 0 or pages <= self.arena.spare_pages(*(pool for pool, _ in wanted.values()))
 
     def _rebuild_fits(self, slot: int, pools: tuple[BlockPool, ...], layers: list[int], layouts: list) -> bool:
         """Do a rebuild's fresh blocks fit in the arena, counting the blocks it lets go of first?"""

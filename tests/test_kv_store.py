@@ -43,6 +43,8 @@ def check_references(store: KVStore, parked: list[ParkedKV] = ()) -> None:
         # Every block inside the pages a pool holds is free or in use, never both; none lies outside them.
         inside = {b for page in pool.pages for b in store.arena.blocks_in(page, pool.block_bytes)}
         assert set(pool.free_blocks).isdisjoint(pool.refs) and set(pool.free_blocks) | set(pool.refs) == inside
+        in_use = {page for page in pool.pages if set(store.arena.blocks_in(page, pool.block_bytes)) & pool.refs.keys()}
+        assert pool.empty_pages == len(pool.pages) - len(in_use)
         used += len(pool.refs) * pool.block_bytes
         lent += pool.pages
     assert len(lent) == len(set(lent)) and len(lent) + store.arena.free_pages == store.arena.num_pages
