@@ -23,9 +23,11 @@ tables leave the slot, its blocks stay) and a later one adopts a prefix of it by
 blocks by reference: only a partial last block is copied, since the adopter appends after it.
 
 The budget counts every block in use, once however many tables share it, at its full size: waste
-is at most one partial block per table. A running slot's bookkeeping is allocated with the slots
-and not counted; a parked cache's (its tables, positions and key norms) grows with what the prefix
-cache holds, so it is counted with the parked blocks.
+is at most one partial block per table. The blocks live in one arena allocated at start-up
+(`compression.arena`), lent in pages to each format's pool: every allocation is checked against
+both the budget and the arena's pages before anything changes. A running slot's bookkeeping is
+allocated with the slots and not counted; a parked cache's (its tables, positions and key norms)
+grows with what the prefix cache holds, so it is counted with the parked blocks.
 """
 
 from __future__ import annotations
