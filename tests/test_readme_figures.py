@@ -136,3 +136,19 @@ def test_every_link_between_the_documents_resolves(document):
         assert path.exists(), f"{document.name} links {target}: no such file"
         if anchor:
             assert anchor in _anchors(path), f"{document.name} links {target}: no such heading"
+
+
+def test_a_setting_without_a_description_cannot_be_documented():
+    from pydantic import BaseModel, Field
+
+    class Described(BaseModel):
+        said: int = Field(1, ge=0, description="a setting that says what it is")
+
+    class Undescribed(Described):
+        silent: int = 2
+
+    assert "| `said` | `1` | integer >= 0 | a setting that says what it is |" in settings_reference.policy_file_table(
+        Described
+    )
+    with pytest.raises(ValueError, match="no description"):
+        settings_reference.policy_file_table(Undescribed)
