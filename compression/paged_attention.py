@@ -77,7 +77,8 @@ class PoolTensors:
             bs = self.data.shape[1]
             tails = self.data[..., width:].index_select(0, rows // bs)  # [n, bs, kv_heads, tail]: the blocks' rows
             blocks = tails.transpose(1, 2).contiguous().view(SCALE_DTYPE)  # [n, kv_heads, bs, 2 * D / bs]
-            return dequantize_channels(codes, blocks.view(*blocks.shape[:2], 2, -1).transpose(0, 1), dtype)
+            channels = blocks.view(*blocks.shape[:2], 2, self.head_dim)  # sized, so that no rows read as none
+            return dequantize_channels(codes, channels.transpose(0, 1), dtype)
         p = stored[..., width:].contiguous().view(SCALE_DTYPE)
         return dequantize(Quantized(codes, p[..., 0], p[..., 1] if self.bits < 8 else None, self.bits), dtype)
 

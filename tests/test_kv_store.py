@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compression.arena import SPARE_PAGES
+from compression.arena import SPARE_PAGES, Arena
 from compression.attention import Segment
+from compression.block_pool import BlockPool, Codec
 from compression.kv_store import BLOCK_SIZE, Keep, KVBudgetExceeded, KVStore, ParkedKV
 from compression.paged_attention import decode_attention, decode_attention_reference
 from compression.quant import random_rotation
@@ -227,7 +228,7 @@ def test_the_arena_bounds_memory_whatever_the_mix_of_formats(ops, formats, budge
                 store.compact(seq_id, {layer: mixed_keep(store, seq_id, layer, n) for layer in range(n % 4)})
         check_references(store, parked)
         assert store.arena.memory.data_ptr() == memory and store.allocated_bytes == allocated
-        assert sum(store.pool_bytes.values()) <= allocated
+        assert sum(store.pool_bytes.values()) <= store.touched_bytes <= allocated
     for seq_id in range(5):
         store.free(seq_id)
     for cache in parked:
@@ -473,6 +474,17 @@ def test_kivi4_compaction_and_adoption_keep_their_keys_within_two_roundings():
     assert store.used_bytes == 0
 
 
+def test_a_kivi4_prompt_of_whole_blocks_is_adopted_whole():
+    """An adopter of whole int4c blocks shares them and reads no key row: the empty read must not fail."""
+    store = make_store(storage="kivi4")
+    fill(store, 0, 32)
+    keys = store.view(0, 1).keys
+    parked = store.park(0)
+    store.adopt(1, parked, 32)
+    assert torch.equal(store.view(1, 1).keys, keys)
+    check_references(store, [parked])
+
+
 def test_kivi4_decode_attention_agrees_with_the_view_beside_an_int8_sequence():
     """The decode kernel reads int4c keys and their int4 values in place: the same attention as over
     the dequantised view, in a batch that mixes a kivi4 sequence with an int8 one."""
@@ -496,3 +508,18 @@ def test_reclaimable_bytes_are_what_discarding_would_free_not_what_others_still_
     alone = store.reclaimable_bytes([parked])
     assert alone > copies + parked.bookkeeping_bytes and store.reclaimable_bytes([]) == 0
     assert store.discard(parked) == alone and store.used_bytes == 0
+
+
+def test_a_pool_short_of_pages_takes_the_empty_pages_of_others_and_keeps_its_own():
+    """When no page is free, the others give back their empty pages; the taker's own would only come
+    back to it zeroed again."""
+    codec = Codec(torch.float32, 8)
+    block_bytes = codec.vector_bytes * 16
+    arena = Arena(3 * 4 * block_bytes, 4 * block_bytes)  # 3 pages of 4 blocks
+    taker, other, full = (BlockPool(codec, 1, 16, arena) for _ in range(3))
+    taker.unref(taker.allocate(4))  # page 0, empty
+    other.unref(other.allocate(4))  # page 1, empty
+    full.allocate(4)  # page 2
+    taker.data[0].fill_(7.0)  # a free block of the taker's empty page
+    blocks = taker.allocate(8)
+    assert sorted(blocks) == list(range(8)) and other.pages == [] and taker.data[0].eq(7.0).all()
