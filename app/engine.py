@@ -62,6 +62,7 @@ class EngineSnapshot:
     num_waiting: int
     capacity_bytes: int
     allocated_bytes: int  # the arena every block lives in, allocated at start
+    touched_bytes: int  # its pages ever lent (on CPU, the resident part)
     kv_bytes: dict[str, int]  # by pool: running requests, prefix cache, audit of dropped keys
     entries: dict[str, int]  # (layer, token) entries of running requests, by tier
     format_bytes: dict[str, int]  # the arena's pages each storage format's pool holds
@@ -224,6 +225,7 @@ class LLMEngine:
             num_waiting=self.num_waiting,
             capacity_bytes=store.max_bytes,
             allocated_bytes=store.allocated_bytes,
+            touched_bytes=store.touched_bytes,
             kv_bytes={"running": running, "prefix": store.used_bytes - running, "audit": self.compression.audit_bytes},
             entries=store.entry_counts(),
             format_bytes=store.pool_bytes,

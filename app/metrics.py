@@ -218,6 +218,12 @@ class _EngineCollector(Collector):
             now.allocated_bytes,
         )
         yield GaugeMetricFamily(
+            "kv_cache_touched_bytes",
+            "Pages of the KV arena ever lent to a storage format: on the CPU, the part of the arena that is "
+            "resident memory (it stays resident once touched); at most kv_cache_allocated_bytes",
+            now.touched_bytes,
+        )
+        yield GaugeMetricFamily(
             "kv_cache_usage_ratio",
             "KV cache bytes held within the budget (running and prefix) / budget",
             now.used_bytes / now.capacity_bytes,

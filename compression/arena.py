@@ -41,6 +41,7 @@ class Arena:
         self.num_pages = max(1, capacity_bytes // page_bytes)
         self.memory = torch.empty(self.num_pages * page_bytes, dtype=torch.uint8, device=device)
         self._free = list(range(self.num_pages))  # a heap: the lowest page first
+        self._touched: set[int] = set()  # pages ever lent: on CPU, the part of the arena made resident
         self.pools: list[BlockPool] = []  # what borrows pages; asked for its empty ones when none is free
 
     @classmethod
@@ -57,6 +58,10 @@ class Arena:
         return self.memory.numel()
 
     @property
+    def touched_bytes(self) -> int:
+        return len(self._touched) * self.page_bytes
+
+    @property
     def free_pages(self) -> int:
         return len(self._free)
 
@@ -64,15 +69,17 @@ class Arena:
         """Pages the `takers` could be lent: the free ones, and those other pools hold empty."""
         return len(self._free) + sum(pool.empty_pages for pool in self.pools if pool not in takers)
 
-    def lend(self) -> int:
-        """A free page, zeroed; raises ArenaFull when there is none, even once every pool has given back
-        the pages it holds empty."""
+    def lend(self, taker: BlockPool) -> int:
+        """A free page for `taker`, zeroed; raises ArenaFull when there is none, even once every other
+        pool has given back the pages it holds empty (the taker's own would only come back to it)."""
         if not self._free:
             for pool in self.pools:
-                pool.give_back_empty_pages()
+                if pool is not taker:
+                    pool.give_back_empty_pages()
         if not self._free:
             raise ArenaFull(f"all {self.num_pages} pages of {self.page_bytes} bytes are lent")
         page = heapq.heappop(self._free)
+        self._touched.add(page)
         self.memory[page * self.page_bytes : (page + 1) * self.page_bytes].zero_()
         return page
 

@@ -174,7 +174,7 @@ class BlockPool:
         if self.pages_needed(n) > self.arena.spare_pages(self):
             raise ArenaFull(f"{self.codec.name} needs {self.pages_needed(n)} more pages of the arena")
         while len(self._free) < n:
-            page = self.arena.lend()
+            page = self.arena.lend(self)
             self._pages[page] = 0
             self.empty_pages += 1
             for block in self.arena.blocks_in(page, self.block_bytes):

@@ -303,6 +303,11 @@ class KVStore:
         return self.arena.nbytes
 
     @property
+    def touched_bytes(self) -> int:
+        """The arena's pages ever lent: on CPU, the part of it that is resident memory."""
+        return self.arena.touched_bytes
+
+    @property
     def running_bytes(self) -> int:
         """Bytes of the distinct blocks that running sequences hold."""
         held: dict[int, list[np.ndarray]] = {}

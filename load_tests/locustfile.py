@@ -4,8 +4,8 @@
     make load-test                                                              # headless, CSV + HTML
 
 Short questions and long documents (text from the Python standard library's docstrings), streaming
-and not, compression off and on at several rates, multi-turn chats through the OpenAI route, and a
-share of invalid requests that must be refused with 422 naming the field.
+and not, compression off and on at several rates and storage formats, multi-turn chats through the
+OpenAI route, and a share of invalid requests that must be refused with 422 naming the field.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from benchmarks.corpus import paragraphs  # noqa: E402
 
 RATES = (0.5, 0.6, 0.75, 0.875)
 POLICIES = ("dynamic", "h2o", "snapkv", "tova")
+# Every storage format at once: their pages come and go in one arena, which a soak must see stay bounded.
+STORAGES = ("int8", "int4", "kivi4", "float16", "auto")
 QUESTIONS = (
     "What is the capital of France?",
     "Name three colours of the rainbow.",
@@ -91,7 +93,11 @@ class ServerUser(HttpUser):
             "messages": [{"role": "user", "content": document(self.rng, 500) + "\n\nSummarise the text above."}],
             "max_tokens": max_tokens,
             "temperature": 0,
-            "compression": {"policy": self.rng.choice(POLICIES), "compression_rate": rate},
+            "compression": {
+                "policy": self.rng.choice(POLICIES),
+                "compression_rate": rate,
+                "kv_cache_dtype": self.rng.choice(STORAGES),
+            },
             "compression_stats": True,
         }
 

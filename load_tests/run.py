@@ -44,9 +44,12 @@ def served(url: str | None, extra: list[str]) -> Iterator[tuple[str, int | None]
         proc.wait(60)
 
 
-def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(
+    extra: list[str], root: Path = ROOT, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """`serve.py` of the checkout at `root` on a free port, once it answers /ready: (process, url)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "--port", str(port), *extra], cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, str(root / "serve.py"), "--port", str(port), *extra], cwd=root, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

@@ -3,9 +3,10 @@
     python load_tests/soak.py                    # 10 minutes, 16 users (make soak)
     python load_tests/soak.py --duration 3m      # shorter
 Every 10 s it samples the server's resident memory and its KV bytes by pool. It fails (exit 1) if
-any request failed, if resident memory other than the KV pools keeps growing after the warm-up (the
-prefix pool fills up to max_cache_size by design), or if the running and audit pools do not come
-back to zero at the end. Results: load_tests/results/soak.{json,md,png}.
+any request failed, if resident memory other than the KV arena's pages keeps growing after the
+warm-up (the prefix pool fills up to max_cache_size by design), or if the running and audit pools do
+not come back to zero at the end. Compressed requests come at every storage format, so the arena's
+pages move between formats all the time. Results: load_tests/results/soak.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -28,26 +29,42 @@ from load_tests.run import ROOT, run_locust, served  # noqa: E402
 RESULTS = ROOT / "load_tests" / "results"
 
 
-def kv_pools(url: str) -> tuple[dict[str, float], float]:
-    """KV bytes held by pool (running, prefix, audit), and the memory of the block pools, the parked
-    caches' bookkeeping and the audit buffers."""
-    pools, blocks = {}, 0.0
+def kv_pools(url: str) -> tuple[dict[str, float], dict[str, float]]:
+    """KV bytes held by pool (running, prefix, audit), and the KV cache's memory: its budget, the arena
+    allocated at start, its pages the formats hold now and those ever lent (resident once touched,
+    whichever format holds them now), and the parked caches' bookkeeping."""
+    pools, memory = {}, {"held": 0.0}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith('kv_cache_bytes{pool="'):
-            pools[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith(("kv_cache_pool_bytes{", "kv_prefix_cache_bookkeeping_bytes ")):
-            blocks += float(line.rsplit(" ", 1)[1])
-    return pools, blocks + pools.get("audit", 0.0)
+        name, _, value = line.rpartition(" ")
+        if name.startswith('kv_cache_bytes{pool="'):
+            pools[name.split('"')[1]] = float(value)
+        elif name.startswith("kv_cache_pool_bytes{"):
+            memory["held"] += float(value)  # the pages the formats' pools hold
+        elif name in MEMORY_GAUGES:
+            memory[MEMORY_GAUGES[name]] = float(value)
+    return pools, memory
+
+
+MEMORY_GAUGES = {
+    "kv_cache_capacity_bytes": "budget",
+    "kv_cache_allocated_bytes": "allocated",
+    "kv_cache_touched_bytes": "touched",
+    "kv_prefix_cache_bookkeeping_bytes": "bookkeeping",
+}
 
 
 def sample(url: str, pid: int, samples: list[dict], stop: threading.Event, every: float) -> None:
     process = psutil.Process(pid)
     started = time.monotonic()
     while not stop.is_set():
-        pools, kv_memory = kv_pools(url)
+        pools, memory = kv_pools(url)
         rss = process.memory_info().rss
-        # The block pools may grow by design (the prefix cache fills up to max_cache_size): judge the rest.
-        samples.append({"t": time.monotonic() - started, "rss": rss, "rss_without_kv": rss - kv_memory, **pools})
+        # The arena's resident part may grow by design (the prefix cache fills up to max_cache_size):
+        # judge the rest.
+        kv_memory = memory["touched"] + memory["bookkeeping"] + pools.get("audit", 0.0)
+        samples.append(
+            {"t": time.monotonic() - started, "rss": rss, "rss_without_kv": rss - kv_memory, **pools, **memory}
+        )
         stop.wait(every)
 
 
@@ -79,6 +96,7 @@ def summarise(args: argparse.Namespace, samples: list[dict], code: int, end: dic
     warm = [s for s in samples if s["t"] >= args.warmup_share * seconds(args.duration)] or samples
     # A single sample catches whatever activations the requests of the moment hold: compare medians
     # of the first and the last third after the warm-up.
+    unfilled = [(s["held"] - s.get("running", 0) - s.get("prefix", 0)) / s["budget"] for s in samples]
     third = max(1, len(warm) // 3)
     early = statistics.median(s["rss_without_kv"] for s in warm[:third])
     late = statistics.median(s["rss_without_kv"] for s in warm[-third:])
@@ -91,10 +109,22 @@ def summarise(args: argparse.Namespace, samples: list[dict], code: int, end: dic
         "rss_without_kv_mib": [round(early / 2**20, 1), round(late / 2**20, 1)],
         "rss_growth_after_warmup": growth,
         "peak_kv_running_bytes": max(s.get("running", 0) for s in samples),
+        "kv_budget_bytes": samples[-1]["budget"],
+        "kv_allocated_bytes": [min(s["allocated"] for s in samples), max(s["allocated"] for s in samples)],
+        "peak_kv_touched_bytes": max(s["touched"] for s in samples),
+        # Pages a format holds but does not fill (fragmentation), as a share of the budget.
+        "unfilled_pages_share": [statistics.median(unfilled), max(unfilled)],
         "kv_pools_at_end": end,
         "samples": samples,
     }
-    ok = code == 0 and growth <= args.max_rss_growth and end.get("running", 0) == 0 and end.get("audit", 0) == 0
+    arena_held = report["kv_allocated_bytes"][0] == report["kv_allocated_bytes"][1] >= report["peak_kv_touched_bytes"]
+    ok = (
+        code == 0
+        and growth <= args.max_rss_growth
+        and arena_held
+        and end.get("running", 0) == 0
+        and end.get("audit", 0) == 0
+    )
     return report, ok
 
 
@@ -123,6 +153,11 @@ def main() -> int:
             f"{report['rss_without_kv_mib'][0]} -> {report['rss_without_kv_mib'][1]} "
             f"({report['rss_growth_after_warmup']:+.1%}) |",
             f"| peak KV bytes of running requests | {report['peak_kv_running_bytes']:.0f} |",
+            f"| KV budget; arena allocated, least and most seen; its pages ever lent, at the most (MiB) | "
+            f"{report['kv_budget_bytes'] / 2**20:.1f}; {report['kv_allocated_bytes'][0] / 2**20:.1f}, "
+            f"{report['kv_allocated_bytes'][1] / 2**20:.1f}; {report['peak_kv_touched_bytes'] / 2**20:.1f} |",
+            f"| pages held by a format but not filled, share of the budget: median, most | "
+            f"{report['unfilled_pages_share'][0]:.1%}, {report['unfilled_pages_share'][1]:.1%} |",
             f"| KV bytes at the end (running, prefix, audit) | {end.get('running', 0):.0f}, "
             f"{end.get('prefix', 0):.0f}, {end.get('audit', 0):.0f} |",
         ]

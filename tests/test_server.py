@@ -208,6 +208,7 @@ def test_metrics_count_requests_and_tokens(server):
     assert server.metric("time_per_output_token_seconds_count") >= 1
     assert server.metric("kv_cache_capacity_bytes") == 256 * 2**20
     assert 256 * 2**20 <= server.metric("kv_cache_allocated_bytes") <= 256 * 2**20 * 17 / 16  # the arena
+    assert 0 < server.metric("kv_cache_touched_bytes") <= server.metric("kv_cache_allocated_bytes")
     try:
         refused = server.metric("requests_total", '{status="422"}')
     except KeyError:
