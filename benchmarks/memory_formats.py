@@ -1,9 +1,10 @@
 """KV memory allocated while a server's requests move from one storage format to the next.
 
-    python benchmarks/memory_formats.py                                   # this checkout
-    python benchmarks/memory_formats.py --tree now=. --tree before=../old  # side by side with another
+    python benchmarks/memory_formats.py                        # this checkout
+    python benchmarks/memory_formats.py --compare 4f753ad      # beside the commit before the arena
 
-Each tree's `serve.py` is started with a small KV budget; then come phases of concurrent requests
+Each checkout's `serve.py` (this one's, and a temporary git worktree of each --compare revision) is
+started with a small KV budget; then come phases of concurrent requests
 with long prompts, one storage format per phase (uncompressed at the model's dtype, then compressed
 at int8, int4, kivi4 and float16, then uncompressed again), each enough to fill the budget. After
 every phase it reads the KV memory allocated (`kv_cache_allocated_bytes`, or, where a server has
@@ -18,7 +19,10 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -28,7 +32,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.corpus import paragraphs  # noqa: E402
-from benchmarks.report import RESULTS, save_report  # noqa: E402
+from benchmarks.report import RESULTS, ROOT, save_report  # noqa: E402
 from load_tests.run import start_server  # noqa: E402
 
 PHASES = {
@@ -98,14 +102,29 @@ def measure_tree(label: str, root: Path, args: argparse.Namespace) -> list[dict]
 
 
 def revision(root: Path) -> str:
-    return subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-    ).stdout.strip()
+    return git(root, "rev-parse", "--short", "HEAD")
+
+
+def git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
+
+@contextmanager
+def checkout(rev: str) -> Iterator[Path]:
+    """A temporary worktree of this repository at `rev`, removed afterwards."""
+    with tempfile.TemporaryDirectory() as scratch:
+        tree = Path(scratch) / "tree"
+        git(ROOT, "worktree", "add", "--detach", str(tree), rev)
+        try:
+            yield tree
+        finally:
+            git(ROOT, "worktree", "remove", "--force", str(tree))
 
 
 def table(rows: list[dict], trees: dict[str, str]) -> str:
     labels = list(trees)
-    head = "| phase | " + " | ".join(f"{t} ({trees[t]}): KV allocated / budget, touched, RSS MiB" for t in labels)
+    names = [t if t == trees[t] else f"{t} ({trees[t]})" for t in labels]
+    head = "| phase | " + " | ".join(f"{name}: KV allocated / budget, touched, RSS MiB" for name in names)
     lines = [head + " |", "| --- |" + " ---: |" * len(labels)]
     for phase in PHASES:
         cells = []
@@ -119,7 +138,7 @@ def table(rows: list[dict], trees: dict[str, str]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tree", action="append", default=[], help="LABEL=PATH of a checkout to serve (repeat)")
+    parser.add_argument("--compare", action="append", default=[], help="a revision to measure beside this checkout")
     parser.add_argument("--budget-mib", type=int, default=64, help="max_cache_size of every server")
     parser.add_argument("--requests", type=int, default=4, help="concurrent requests a phase")
     parser.add_argument("--prompt-words", type=int, default=700)
@@ -128,10 +147,10 @@ def main() -> None:
     parser.add_argument("--extension-dir", default=str(Path.home() / ".cache" / "conf-kv" / "memory-formats"))
     parser.add_argument("--out", type=Path, default=RESULTS / "memory_formats")
     args = parser.parse_args()
-    trees = dict(t.split("=", 1) for t in args.tree) or {"now": "."}
-    roots = {label: Path(path).resolve() for label, path in trees.items()}
-    rows = [row for label, root in roots.items() for row in measure_tree(label, root, args)]
-    revisions = {label: revision(root) for label, root in roots.items()}
+    with ExitStack() as stack:
+        roots = {rev: stack.enter_context(checkout(rev)) for rev in args.compare} | {"now": ROOT}
+        revisions = {label: revision(root) for label, root in roots.items()}
+        rows = [row for label, root in roots.items() for row in measure_tree(label, root, args)]
     text = (
         f"KV budget {args.budget_mib} MiB; each phase {args.requests} requests at once of about "
         f"{args.prompt_words} words, compressed phases at rate {args.rate}. Allocated: the memory KV blocks "
