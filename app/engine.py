@@ -26,6 +26,7 @@ from compression.kv_store import KVBudgetExceeded, KVStore
 from compression.predictor.calibration import Calibration, Source
 from compression.predictor.online import FutureValue, load_retention, predictor_path
 from compression.prefix_cache import PrefixCache
+from compression.spans import word_starts
 
 log = logging.getLogger(__name__)
 # The profiler's name for the compression after a step (lookahead included): its share of the step.
@@ -109,6 +110,7 @@ class LLMEngine:
             self.compression_config.pressure_rate_step,
             future_value,
             load_retention(predictor_path(None), model.config) if calibrations is None else calibrations,
+            word_starts(tokenizer),
         )
         self.runner = ModelRunner(model, self.store)
         self.prefix_cache = PrefixCache(self.store, config.lru_k) if config.prefix_cache else None

@@ -27,6 +27,7 @@ from compression.predictor.calibration import Calibration, Source
 from compression.predictor.misses import Dropped
 from compression.predictor.online import Forecast, FutureValue, PredictionJob
 from compression.scoring import LayerEntries, ScorePolicy
+from compression.spans import pool_over_spans, span_ids
 from compression.tiers import adaptive_weights, plan_tiers, pyramid_weights, threshold_bytes
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class SequenceState:
     content_bytes_per_token: float | None = None  # per layer: what the thresholds kept at their last judgment
     layer_weights: torch.Tensor | None = None  # adaptive layer budgets: each layer's share (mean 1), when scored
     history: TierHistory | None = None  # each compression's tiers, for requests that ask (`inspect`)
+    spans: torch.Tensor | None = None  # the span of each position (`retention_unit`), as of the last compression
 
     @property
     def rate(self) -> float:
@@ -165,8 +167,10 @@ class Compressor:
         pressure_step: float = 0.05,
         future_value: FutureValue | None = None,
         calibrations: dict[Source, Calibration] | None = None,
+        word_starts: torch.Tensor | None = None,
     ) -> None:
         self.store = store
+        self.word_starts = word_starts  # [vocabulary] tokens that begin a word (`spans.word_starts`), when known
         self.future_value = future_value  # the value predictor, when one is loaded
         self.calibrations = calibrations or {}  # retention confidence by value source, when fitted
         self.pressure_ceiling = pressure_ceiling
@@ -178,6 +182,8 @@ class Compressor:
 
     # ----- lifecycle ---------------------------------------------------------------------
     def register(self, seq_id: int, params: CompressionParams, prompt_len: int) -> None:
+        if params.active and params.retention_unit == "word" and self.word_starts is None:
+            raise ValueError("retention_unit 'word' needs the tokenizer, and this compressor was given none")
         history = TierHistory() if params.inspect else None
         self.states[seq_id] = SequenceState(params, params.scorer(), prompt_len, history=history)
 
@@ -341,6 +347,7 @@ class Compressor:
             shared = (time.perf_counter() - started) / len(ready)  # the batched prediction, shared out
             for seq, state in ready:
                 began = time.perf_counter()
+                self._note_spans(seq, state)
                 self.compress(seq.seq_id, seq.num_computed, state, predicted.get(seq.seq_id))
                 state.steps_since_compression = 0
                 state.seconds += shared + time.perf_counter() - began
@@ -373,6 +380,7 @@ class Compressor:
                 if current >= self.pressure_ceiling:
                     continue
                 state.pressure_rate = min(self.pressure_ceiling, current + self.pressure_step)
+                self._note_spans(seq, state)
                 self.compress(seq.seq_id, seq.num_computed, state)
                 self.squeezes += 1
                 squeezed = True
@@ -382,6 +390,12 @@ class Compressor:
                 return False
 
     # ----- the compression itself ---------------------------------------------------------
+    def _note_spans(self, seq: TrackedSequence, state: SequenceState) -> None:
+        """The spans of the sequence's positions as its tokens stand now, where its retention unit has spans."""
+        params, tokens = state.params, seq.token_ids[: seq.num_computed]
+        spans = span_ids(params.retention_unit, tokens, self.word_starts, params.chunk_tokens)
+        state.spans = None if spans is None else spans.to(self.store.device)
+
     def target_rate(self, state: SequenceState) -> float:
         """The rate to apply now: the request's (or the pressure's, if higher), as the policy adjusts
         it to the model's recent confidence."""
@@ -471,6 +485,8 @@ class Compressor:
                 seed=params.seed,
             )
             scores = state.policy.score(entries)
+            if state.spans is not None:  # a span is ranked as its best entry: kept whole or dropped whole
+                scores = pool_over_spans(scores, state.spans[positions])
             retention = state.policy.retention(entries) if budget.judge else None
             judged.append(_Judged(layer, kv, protected, scores, retention, positions < state.judged_until))
             if state.history is not None:

@@ -28,6 +28,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from compression.scoring import NO_COMPRESSION, ScorePolicy, make_policy, policy_names
+from compression.spans import RetentionUnit
 
 DEFAULT_FILE = Path(__file__).resolve().parent.parent / "config" / "compression.json"
 
@@ -105,6 +106,13 @@ class CompressionSettings(BaseModel):
         "attention (what the answer reads) joins the prompt's in the first compression, then forgotten (LAQ's "
         "lookahead queries): costs that many decode steps before the first token, no bytes",
     )
+    retention_unit: RetentionUnit = Field(
+        "token",
+        description="what is kept or dropped together: token (each entry on its own), word (a word with its "
+        "pieces, a number's digits, a UUID: ranked as its best entry, so a value is kept whole or not at all), "
+        "or chunk (fixed runs of chunk_tokens positions, ChunkKV)",
+    )
+    chunk_tokens: int = Field(8, ge=2, le=64, description="positions a span holds with retention_unit chunk")
     layer_budget: Literal["uniform", "pyramid", "adaptive"] = Field(
         "uniform",
         description="how a request's bytes are shared among layers: uniform (each layer holds as much), pyramid "

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from transformers import Cache, LogitsProcessorList, PreTrainedModel
+from transformers import Cache, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from compression.attention import ATTENTION_NAME, PackedBatch, Segment, register_attention
 from compression.compressor import CompressionMetrics, Compressor
@@ -30,6 +30,7 @@ from compression.config import CompressionConfig, parse_size, resolve
 from compression.kv_store import KVStore, memory_for_cache
 from compression.predictor.calibration import Calibration, Source
 from compression.predictor.online import FutureValue, load_retention, predictor_path
+from compression.spans import word_starts
 
 SEQ_ID = 0
 
@@ -67,13 +68,15 @@ class DynamicKVCompressor(Cache):
         stats: bool = True,
         future_value: FutureValue | None = None,
         calibrations: dict[Source, Calibration] | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         **options,
     ) -> None:
         """`max_cache_size`: MB (as in the seeds), or '2GiB', or '80%' of device memory.
         `prediction_window`: the config's (the window the predictor was trained for); another is refused.
         `future_value`: the value predictor for the `dynamic` policy (`load_future_value`); without it,
         dynamic scores by observed attention only. `calibrations`: the retention confidence's tables
-        (`load_retention`; None: those shipped for the model, if any). Other options (`compression_interval`,
+        (`load_retention`; None: those shipped for the model, if any). `tokenizer`: the model's, which
+        `retention_unit="word"` needs to tell where words begin. Other options (`compression_interval`,
         `thresholds={...}`, `kv_cache_dtype`, `policy_options={...}`) are those of a request's
         `compression` object, and anything else is refused (`InvalidCompression` names it); the rest
         comes from `config` (default: config/compression.json)."""
@@ -86,11 +89,14 @@ class DynamicKVCompressor(Cache):
             **options,
         }
         self.params = resolve(self.config, {k: v for k, v in request.items() if v is not None}, True, stats)
+        if self.params.retention_unit == "word" and tokenizer is None:
+            raise ValueError("retention_unit='word' needs the model's tokenizer: give tokenizer=")
         if future_value is not None:
             future_value.require_window(self.config.prediction_window)
         self.max_cache_size = max_cache_size
         self.future_value = future_value
         self.calibrations = calibrations
+        self.word_starts = word_starts(tokenizer) if tokenizer is not None else None
         self.store: KVStore | None = None
         self.compressor: Compressor | None = None
         self.sequence = _Sequence()
@@ -158,7 +164,9 @@ class DynamicKVCompressor(Cache):
         )
         if self.calibrations is None:
             self.calibrations = load_retention(predictor_path(None), model.config)
-        self.compressor = Compressor(self.store, future_value=self.future_value, calibrations=self.calibrations)
+        self.compressor = Compressor(
+            self.store, future_value=self.future_value, calibrations=self.calibrations, word_starts=self.word_starts
+        )
         self.sequence = _Sequence()
         self.store.set_storage(SEQ_ID, self.params.kv_cache_dtype)
         self._pending_confidence = None

@@ -1,0 +1,67 @@
+"""Spans: the runs of tokens that retention keeps or drops together (`retention_unit`).
+
+A number is several tokens (this family of tokenizers writes every digit apart), and so are a UUID
+and a rare name. Kept or dropped one entry at a time, a value loses its middle while its neighbours
+survive, and the model copies what is left: a confident, wrong answer. With `word`, every entry of
+a layer is ranked as the best-ranked entry of its word that the layer holds (a word: a token whose
+text begins with whitespace and the tokens after it up to the next such, so a number's digits, a
+UUID's pieces and a name's word pieces are one span), so a word is kept whole or dropped whole,
+except the one at the budget's margin. `chunk` ranks fixed runs of `chunk_tokens` positions
+together whatever the text (ChunkKV). `token` is each entry on its own.
+
+Pooling over a span differs from pooling over neighbours (`dynamic`'s `kernel_size`): a window
+joins a peak with whatever lies next to it, spending bytes on the neighbours of every peak; a word
+joins only tokens that the text itself joins, and most words of prose are one or two tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+RetentionUnit = Literal["token", "word", "chunk"]
+# An unbroken run of tokens longer than this (code, a URL, a hash) is cut into spans of this many, so
+# that no single span outweighs a budget; a UUID is 37 tokens here.
+LONGEST_SPAN = 48
+
+
+def word_starts(tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
+    """[vocabulary] True where a token begins a word: its text begins with whitespace, is empty, or
+    it is a special token (never joined to its neighbours)."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    special = set(tokenizer.all_special_ids)
+    return torch.tensor([not text or text[0].isspace() or i in special for i, text in enumerate(texts)])
+
+
+def span_ids(
+    unit: RetentionUnit, token_ids: Sequence[int], starts: torch.Tensor | None, chunk_tokens: int
+) -> torch.Tensor | None:
+    """[len(token_ids)] the span of each position, numbered in order; None for `token` (no spans)."""
+    n = len(token_ids)
+    if unit == "token":
+        return None
+    if unit == "chunk":
+        return torch.arange(n) // chunk_tokens
+    if starts is None:
+        raise ValueError("retention_unit 'word' needs the tokenizer's word starts: give the tokenizer")
+    begins = starts[torch.tensor(token_ids, dtype=torch.long)] if n else torch.zeros(0, dtype=torch.bool)
+    if n:
+        begins[0] = True
+    word = torch.cumsum(begins, 0) - 1
+    offset = torch.arange(n) - torch.nonzero(begins).view(-1)[word]  # position within its word
+    return torch.cumsum(begins | (offset % LONGEST_SPAN == 0), 0) - 1
+
+
+def pool_over_spans(scores: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+    """Each entry's score raised to the best score among the entries of its span (`spans`: the span
+    of each entry, aligned with `scores`)."""
+    if scores.numel() == 0:
+        return scores
+    _, inverse = torch.unique(spans, return_inverse=True)
+    best = torch.full((int(inverse.max()) + 1,), float("-inf"), dtype=scores.dtype, device=scores.device)
+    return best.scatter_reduce(0, inverse, scores, "amax")[inverse]
