@@ -125,9 +125,7 @@ class Scheduler:
             if hit is not None and not self._reuse(seq, hit):
                 hit = None
             n = self._chunk(seq, budget)
-            try:
-                self.store.reserve(seq.seq_id, n)
-            except KVBudgetExceeded:
+            if not self._reserve_admitted(seq, n):
                 self.store.free(seq.seq_id, preempted=True)
                 seq.restart()
                 return
@@ -182,6 +180,20 @@ class Scheduler:
             if not self.prefix_cache.evict_one(keep):
                 return False
         return True
+
+    def _reserve_admitted(self, seq: Sequence, n: int) -> bool:
+        """Reserve the first chunk of a sequence being admitted. Its bytes fit (`_make_room`), but the
+        arena's pages may not, where parked caches of other storage formats hold them partly used.
+        With requests running it waits for them, as for bytes, and the cache stays; with none, nothing
+        else would ever free a page, so parked entries go one at a time until its pages fit (with all
+        of them gone, a request within the budget fits)."""
+        while True:
+            try:
+                self.store.reserve(seq.seq_id, n)
+                return True
+            except KVBudgetExceeded:
+                if self.running or self.prefix_cache is None or not self.prefix_cache.evict_one():
+                    return False
 
     def _reuse(self, seq: Sequence, hit: PrefixHit) -> bool:
         """Start `seq` from the hit's entries; False where their copies do not fit (it prefills all)."""

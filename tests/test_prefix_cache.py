@@ -323,3 +323,31 @@ def test_a_live_chat_keeps_reusing_its_turns_while_long_requests_queue_beside_it
     assert waiting_at_the_end >= 1  # the chat ran while a long request was waiting throughout
     assert turns_that_hit / later_turns > 0.9
     assert reused / resent > 0.9  # of the tokens each later turn shares with the one before it
+
+
+def test_a_request_whose_bytes_fit_but_whose_pages_are_held_by_parked_caches_of_another_format_is_admitted(
+    model, tokenizer
+):
+    """Parked int8 prompts, every other one evicted, leave the arena's pages half used by int8 blocks:
+    an uncompressed request then fits in the free bytes but finds no free page. With nothing running,
+    nothing else would free one: parked entries must go until its pages fit, or it waits forever."""
+    budget = make_engine(model, tokenizer).store.bytes_for(600)
+    engine = make_engine(model, tokenizer, max_cache_bytes=budget, compression=SETTINGS, prefix_cache=True)
+    prompts = [ids(tokenizer, 150, seed=60 + i) for i in range(14)]
+    for i, prompt in enumerate(prompts):  # parked at int8, before their compression
+        run(engine, f"p{i}", prompt, max_tokens=2, kv_cache_dtype="int8")
+    for i, prompt in enumerate(prompts[::2]):  # reused: LRU-2 keeps these, the others go first
+        run(engine, f"again{i}", prompt, max_tokens=2, kv_cache_dtype="int8")
+    while engine.prefix_cache.entries and len(engine.prefix_cache) > len(prompts) // 2:
+        engine.prefix_cache.evict_one()
+    store = engine.store
+    need = store.bytes_for(250)
+    assert need <= store.free_bytes and store.arena.free_pages * store.arena.page_bytes < need  # fragmented
+    params = resolve(engine.compression_config, {"enabled": False}, True, True)
+    engine.add_request("big", ids(tokenizer, 250, seed=99), greedy(4, ignore_eos=True), params)
+    for _ in range(200):
+        engine.step()
+        if not engine.has_unfinished():
+            break
+    assert not engine.has_unfinished() and engine.outputs.requests.get("big") is None  # finished, not stuck
+    assert store.used_bytes <= budget
