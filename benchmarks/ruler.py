@@ -9,8 +9,16 @@ essays or SQuAD/HotpotQA from the network, so they are left out. Scores are lm-e
 expected strings found in the answer); the bytes kept are the server's own, `kv_compression_ratio`
 in `/metrics` (compressed / original size per finished request, averaged over the run).
 
+Beside them, our own tasks in RULER's form (`benchmarks/exact_values/`): a 7-10 digit number, a UUID
+or a name of several word pieces, in repeated or in natural filler, scored exact, partial (half
+the value copied, the shape a dropped span leaves) or missed; `--seed` draws their cases. Further
+setups compare what eviction keeps together (`retention_unit`: each token, each word, chunks of 8)
+at about 25%, 10%, 8%, 5% and 3% of the bytes.
+
     python benchmarks/ruler.py                                    # 6 tasks, 4k and 8k, 10 cases each
     python benchmarks/ruler.py --tasks niah_single_1 --lengths 4096 --limit 4 --setups "compression off"
+    python benchmarks/ruler.py --tasks exact_number_repeat --lengths 4096 --seed 7 \
+        --setups "compression off" "dynamic, budget ~5%" "dynamic by word, budget ~5%"
 Results: benchmarks/results/ruler.{json,md,png} (make bench-ruler: ruler_4k and ruler_8k).
 """
 
@@ -34,9 +42,19 @@ from benchmarks.serving_client import model_folder, placement, server_flags  # n
 from compression.config import DEFAULT_FILE  # noqa: E402
 from load_tests.run import served  # noqa: E402
 
-TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe")
+RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe")
+# Our own tasks in the same form: exact values (numbers, UUIDs, names) in repeated and in natural filler.
+EXACT_VALUES = Path(__file__).resolve().parent / "exact_values"
+EXACT_TASKS = tuple(sorted(path.stem for path in EXACT_VALUES.glob("exact_*.yaml")))
+TASKS = RULER_TASKS + EXACT_TASKS
 OFF = "compression off"
 RATE_ONLY = {"policy": "dynamic", "policy_options": {"dynamic": {"thresholds_decide": False}}}
+BUDGETS = {"25%": 0.75, "10%": 0.9, "8%": 0.92, "5%": 0.95, "3%": 0.97}  # about that share of the bytes: the rate
+UNITS = {  # what is kept or dropped together (`retention_unit`)
+    "": {},
+    " by word": {"retention_unit": "word"},
+    " by chunk of 8": {"retention_unit": "chunk", "chunk_tokens": 8},
+}
 # Each setup: the compression config file's values changed (None: the server started without compression).
 SETUPS: dict[str, dict | None] = {
     OFF: None,
@@ -44,10 +62,15 @@ SETUPS: dict[str, dict | None] = {
     # that do not ask for a storage themselves (and lm-eval asks for nothing).
     "uniform int8": {**RATE_ONLY, "compression_rate": 0.0},
     "dynamic (shipped: thresholds 0.9/0.7)": {},
-    "dynamic, budget ~25%": {**RATE_ONLY, "compression_rate": 0.75},
-    "dynamic, budget ~10%": {**RATE_ONLY, "compression_rate": 0.9},
-    "dynamic, budget ~5%": {**RATE_ONLY, "compression_rate": 0.95},
+    **{
+        f"dynamic{unit}, budget ~{share}": {**RATE_ONLY, **spans, "compression_rate": rate}
+        for unit, spans in UNITS.items()
+        for share, rate in BUDGETS.items()
+    },
 }
+DEFAULT_SETUPS = [OFF, "uniform int8", "dynamic (shipped: thresholds 0.9/0.7)"] + [
+    f"dynamic, budget ~{share}" for share in ("25%", "10%", "5%")
+]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 # lm-eval's request limit (300 s) and the server's (600 s) count queueing: a 4k prompt waiting behind three
 # others on a busy 2-core machine passes them, and one timeout ends the run or cuts an answer.
@@ -56,10 +79,11 @@ REQUEST_TIMEOUT_S = 3600
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    parser.add_argument("--tasks", nargs="+", default=list(RULER_TASKS), choices=TASKS)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192], help="RULER's max_seq_lengths")
     parser.add_argument("--limit", type=int, default=10, help="cases of each task at each length")
-    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    parser.add_argument("--seed", type=int, default=0, help="of the exact-value tasks' cases (fresh: unseen cases)")
+    parser.add_argument("--setups", nargs="+", default=DEFAULT_SETUPS, choices=list(SETUPS))
     parser.add_argument("--concurrent", type=int, default=4, help="lm-eval's requests in flight")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for torch")
     add_placement_options(parser)
@@ -106,7 +130,8 @@ def run_length(url: str, length: int, args: argparse.Namespace, tmp: Path) -> di
     subprocess.run(
         [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args]
         + ["--tasks", ",".join(args.tasks), "--limit", str(args.limit), "--output_path", str(out)]
-        + ["--metadata", json.dumps({"max_seq_lengths": [length], "tokenizer": tokenizer})],
+        + ["--include_path", str(EXACT_VALUES)]
+        + ["--metadata", json.dumps({"max_seq_lengths": [length], "tokenizer": tokenizer, "seed": args.seed})],
         env={**os.environ, **OFFLINE},
         check=True,
     )
@@ -114,7 +139,13 @@ def run_length(url: str, length: int, args: argparse.Namespace, tmp: Path) -> di
     after = ratio_totals(url)
     requests = after[1] - before[1]
     kept = (after[0] - before[0]) / requests if requests else 1.0  # nothing compressed: every byte kept
-    return {"bytes_kept": kept, "scores": {task: scores[task][f"{length},none"] for task in args.tasks}}
+    row = {"bytes_kept": kept, "scores": {}, "partial": {}}
+    for task in args.tasks:
+        exact = task in EXACT_TASKS  # scored exact, partial (half the value copied) or missed
+        row["scores"][task] = scores[task][f"exact_{length},none" if exact else f"{length},none"]
+        if exact:
+            row["partial"][task] = scores[task][f"partial_{length},none"]
+    return row
 
 
 def ratio_totals(url: str) -> tuple[float, float]:
@@ -155,9 +186,15 @@ def table(results: dict, args: argparse.Namespace, setup: str) -> str:
         for name, rows in results.items():
             row = rows[length]
             vs_off = f"{mean(row) / off:.2f}" if off else "n/a"
-            scores = " | ".join(f"{row['scores'][task]:.2f}" for task in args.tasks)
+            scores = " | ".join(cell(row, task) for task in args.tasks)
             lines.append(f"| {length} | {name} | {row['bytes_kept']:.1%} | {scores} | {mean(row):.2f} | {vs_off} |")
     return "\n".join(lines)
+
+
+def cell(row: dict, task: str) -> str:
+    """A task's score; for an exact-value task, the share exact and (in brackets) the share partly copied."""
+    partial = row.get("partial", {}).get(task)
+    return f"{row['scores'][task]:.2f}" + (f" ({partial:.2f})" if partial is not None else "")
 
 
 def mean(row: dict) -> float:

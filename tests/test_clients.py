@@ -219,7 +219,22 @@ def test_ruler_benchmark_scores_a_needle_through_local_completions(server, tmp_p
 
     for name, value in OFFLINE.items():
         monkeypatch.setenv(name, value)
-    args = Namespace(tasks=["niah_single_1"], limit=1, concurrent=1, model_path=None)
+    args = Namespace(tasks=["niah_single_1", "exact_uuid_prose"], limit=1, concurrent=1, model_path=None, seed=3)
     row = run_length(server.url, 4096, args, tmp_path)
     assert 0.0 <= row["scores"]["niah_single_1"] <= 1.0
+    assert row["scores"]["exact_uuid_prose"] + row["partial"]["exact_uuid_prose"] in (0.0, 1.0)  # exact, partial, miss
+    assert set(row["partial"]) == {"exact_uuid_prose"}  # RULER's own tasks are not scored for partial copies
     assert 0.0 < row["bytes_kept"] < 0.5  # the server compresses by default: its kept bytes, not a default of 1
+
+
+def test_an_exact_value_copied_in_part_is_told_apart_from_a_miss(tokenizer):
+    """The exact-value tasks' verdicts, and cases that fill their length with the needle inside."""
+    from benchmarks.exact_values.utils import case, judge
+
+    assert judge("9746862", " 9746862.") == "exact"
+    assert judge("9746862", "974862") == "partial"  # a digit lost from the middle, as eviction leaves it
+    assert judge("9746862", "the grass is green") == "miss"
+    assert judge("Ottoline Hultav-Quilhul", "ottoline hultav-quilhul") == "exact"
+    doc = case("number", "prose", 4096, 0, 5, tokenizer)
+    assert doc["outputs"] in doc["input"] and 7 <= len(doc["outputs"]) <= 10
+    assert 3500 < len(tokenizer(doc["input"]).input_ids) <= 4096 - 32
