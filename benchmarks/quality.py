@@ -112,6 +112,7 @@ class Setup:
     key_rotation: bool = True  # the server's: quantised keys stored rotated (False: per token as they are)
     pooling: tuple[str, int] | None = None  # dynamic: its own pooling over neighbours, or (this kind, over this many)
     lookahead: int = 0  # the server's lookahead_tokens: greedy tokens observed before the first compression
+    retention_unit: str = "token"  # what is kept or dropped together: each token, each word, chunks
 
 
 @dataclass
@@ -162,6 +163,7 @@ def setups(
     poolings: tuple[tuple[str, int], ...] = (),
     unrotated_keys: tuple[str, ...] = (),
     lookahead: tuple[int, ...] = (),
+    retention_units: tuple[str, ...] = (),
 ) -> list[Setup]:
     """Uncompressed first (the others are scored against it), then what is asked for."""
     plan = [Setup("uncompressed", "auto", "none", 0.0)]
@@ -189,6 +191,7 @@ def setups(
             for kind, size in poolings
         ]
         plan += [Setup(f"dynamic, lookahead {k}", "int8", "dynamic", rate, lookahead=k) for k in lookahead]
+        plan += [Setup(f"dynamic, by {unit}", "int8", "dynamic", rate, retention_unit=unit) for unit in retention_units]
         if ATTENTION_ONLY in labels:
             plan.append(Setup(ATTENTION_ONLY, "int8", "dynamic", rate, value_predictor=False))
         # The direction of model confidence: > 0 raises tokens sampled in doubt (dynamic's default),
@@ -217,6 +220,10 @@ def setups(
                 pooling=(kind, size),
             )
             for kind, size in poolings
+        ]
+        plan += [
+            Setup(f"{RATE_ONLY}, by {unit}", "int8", "dynamic", rate, thresholds_decide=False, retention_unit=unit)
+            for unit in retention_units
         ]
     return plan
 
@@ -277,6 +284,8 @@ def request_of(setup: Setup, interval: int | None = None) -> dict:
         request["layer_budget"] = setup.layer_budget
     if setup.lookahead:
         request["lookahead_tokens"] = setup.lookahead
+    if setup.retention_unit != "token":
+        request["retention_unit"] = setup.retention_unit
     if options:
         request["policy_options"] = {"dynamic": options}
     return {**request, "compression_interval": interval} if interval else request
@@ -322,12 +331,18 @@ def run_setup(
 
 @torch.inference_mode()
 def forced(
-    model, ids: list[int], prefill: int, request: dict, future_value: FutureValue | None, progress: bool = False
+    model,
+    tokenizer,
+    ids: list[int],
+    prefill: int,
+    request: dict,
+    future_value: FutureValue | None,
+    progress: bool = False,
 ) -> tuple[torch.Tensor, float]:
     """Log-probs [len(ids) - prefill, vocab] of the next token at each of ids[prefill:], the prefix
     prefilled and the rest teacher-forced one token at a time through the compressed cache (which
     compresses between the forced steps as in serving), and the memory kept at the end."""
-    compressor = DynamicKVCompressor(max_cache_size="8GiB", future_value=future_value, **request)
+    compressor = DynamicKVCompressor(max_cache_size="8GiB", future_value=future_value, tokenizer=tokenizer, **request)
     tokens = torch.tensor([ids])
     steps = []
     with compressor.attached(model):
@@ -342,22 +357,26 @@ def forced(
 
 
 def perplexity(
-    model, ids: list[int], prefill: int, setup: Setup, future_value: FutureValue | None
+    model, tokenizer, ids: list[int], prefill: int, setup: Setup, future_value: FutureValue | None
 ) -> tuple[float, float]:
     """exp(mean NLL) of ids[prefill:], teacher-forced through the compressed cache, and the memory kept."""
-    logprobs, kept = forced(model, ids, prefill, request_of(setup, PPL_INTERVAL), future_value, progress=True)
+    logprobs, kept = forced(
+        model, tokenizer, ids, prefill, request_of(setup, PPL_INTERVAL), future_value, progress=True
+    )
     nll = -logprobs.gather(1, torch.tensor(ids[prefill:]).view(-1, 1)).mean()
     return math.exp(float(nll)), kept
 
 
-def teacher_forced_fidelity(model, setup: Setup, tasks: Tasks, future_value: FutureValue | None) -> tuple[float, float]:
+def teacher_forced_fidelity(
+    model, tokenizer, setup: Setup, tasks: Tasks, future_value: FutureValue | None
+) -> tuple[float, float]:
     """Every case's uncompressed answer forced through this setup's cache: the share of steps whose top
     token is the uncompressed cache's, and the mean KL(uncompressed || compressed) per token. The
     uncompressed setup (the first) records the reference as it runs."""
     agree, divergence, steps = 0, 0.0, 0
     for name, answer in tqdm(tasks.answers.items(), desc="teacher-forced", unit="case", leave=False):
         prompt = tasks.prompts[name]
-        logprobs, _ = forced(model, prompt + answer, len(prompt), request_of(setup), future_value)
+        logprobs, _ = forced(model, tokenizer, prompt + answer, len(prompt), request_of(setup), future_value)
         reference = tasks.reference.setdefault(name, logprobs)
         agree += int((logprobs.argmax(-1) == reference.argmax(-1)).sum())
         divergence += float((reference.exp() * (reference - logprobs)).sum())
@@ -553,6 +572,13 @@ def parse_args() -> argparse.Namespace:
         default=[],
         help="also dynamic with these lookahead_tokens (greedy tokens observed before the first compression)",
     )
+    parser.add_argument(
+        "--retention-units",
+        nargs="*",
+        choices=["word", "chunk"],
+        default=[],
+        help="also dynamic keeping or dropping these units whole (retention_unit), at each rate and fixed rate",
+    )
     parser.add_argument("--no-forced", dest="forced", action="store_false", help="no teacher-forced fidelity")
     parser.add_argument("--peers", action="store_true", help="also run kvpress's presses (make bench-peers)")
     parser.add_argument("--presses", nargs="+", default=None, help="kvpress presses (default: all)")
@@ -604,6 +630,7 @@ def plan_of(args: argparse.Namespace) -> list[Setup]:
         tuple(args.poolings),
         tuple(args.unrotated_keys),
         tuple(args.lookahead),
+        tuple(args.retention_units),
     )
 
 
@@ -635,12 +662,12 @@ def run_ours(args, model, tokenizer, tasks: Tasks, future_value: FutureValue | N
         row.memory_kept = statistics.mean(row.memory_by_case.values())
         if tasks.perplexity_ids:
             row.perplexity, row.perplexity_memory_kept = perplexity(
-                model, tasks.perplexity_ids, tasks.perplexity_prefill, setup, future_value
+                model, tokenizer, tasks.perplexity_ids, tasks.perplexity_prefill, setup, future_value
             )
         if not rows and args.forced:  # the uncompressed setup: its answers are what the others are forced through
             tasks.answers = {name: ids for name, ids in tokens.items() if ids}
         if tasks.answers:
-            row.forced_top1, row.forced_kl = teacher_forced_fidelity(model, setup, tasks, future_value)
+            row.forced_top1, row.forced_kl = teacher_forced_fidelity(model, tokenizer, setup, tasks, future_value)
         rows.append(row)
         _log(row)
     return rows

@@ -392,9 +392,13 @@ class Compressor:
     # ----- the compression itself ---------------------------------------------------------
     def _note_spans(self, seq: TrackedSequence, state: SequenceState) -> None:
         """The spans of the sequence's positions as its tokens stand now, where its retention unit has spans."""
-        params, tokens = state.params, seq.token_ids[: seq.num_computed]
+        params = state.params
+        if params.retention_unit == "token":  # no spans: nothing to copy at every compression
+            state.spans = None
+            return
+        tokens = seq.token_ids[: seq.num_computed]
         spans = span_ids(params.retention_unit, tokens, self.word_starts, params.chunk_tokens)
-        state.spans = None if spans is None else spans.to(self.store.device)
+        state.spans = spans.to(self.store.device)
 
     def target_rate(self, state: SequenceState) -> float:
         """The rate to apply now: the request's (or the pressure's, if higher), as the policy adjusts

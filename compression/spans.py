@@ -40,11 +40,11 @@ def word_starts(tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
 
 def span_ids(
     unit: RetentionUnit, token_ids: Sequence[int], starts: torch.Tensor | None, chunk_tokens: int
-) -> torch.Tensor | None:
-    """[len(token_ids)] the span of each position, numbered in order; None for `token` (no spans)."""
+) -> torch.Tensor:
+    """[len(token_ids)] the span of each position, numbered in order (`token`: each its own)."""
     n = len(token_ids)
     if unit == "token":
-        return None
+        return torch.arange(n)
     if unit == "chunk":
         return torch.arange(n) // chunk_tokens
     if starts is None:

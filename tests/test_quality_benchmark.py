@@ -26,10 +26,10 @@ def test_teacher_forced_perplexity_through_the_uncompressed_cache_is_the_models(
     nll = -torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     want = math.exp(nll[256 - 1 :].mean().item())
 
-    got, kept = quality.perplexity(model, ids, 256, Setup("uncompressed", "auto", "none", 0.0), None)
+    got, kept = quality.perplexity(model, tokenizer, ids, 256, Setup("uncompressed", "auto", "none", 0.0), None)
     assert got == pytest.approx(want, rel=1e-4)
     assert kept >= 1.0
-    squeezed, kept = quality.perplexity(model, ids, 256, Setup("uniform int4", "int4", "none", 0.0), None)
+    squeezed, kept = quality.perplexity(model, tokenizer, ids, 256, Setup("uniform int4", "int4", "none", 0.0), None)
     assert squeezed != pytest.approx(want, rel=1e-4) and kept < 0.3
 
 
@@ -40,11 +40,13 @@ def test_teacher_forced_fidelity_is_exact_against_itself_and_falls_with_compress
         answer = default_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, 400:]
     tasks = Tasks([], [], {"case": prompt}, {"case": 12}, [], answers={"case": answer.tolist()})
     uncompressed = Setup("uncompressed", "auto", "none", 0.0)
-    top1, kl = quality.teacher_forced_fidelity(default_model, uncompressed, tasks, None)
+    top1, kl = quality.teacher_forced_fidelity(default_model, tokenizer, uncompressed, tasks, None)
     assert tasks.reference["case"].shape == (12, default_model.config.vocab_size)  # recorded by the first setup
     assert top1 == 1.0 and kl == pytest.approx(0.0, abs=1e-6)
-    int4 = quality.teacher_forced_fidelity(default_model, Setup("uniform int4", "int4", "none", 0.0), tasks, None)
-    dropped = quality.teacher_forced_fidelity(default_model, Setup("h2o", "auto", "h2o", 0.9), tasks, None)
+    int4 = quality.teacher_forced_fidelity(
+        default_model, tokenizer, Setup("uniform int4", "int4", "none", 0.0), tasks, None
+    )
+    dropped = quality.teacher_forced_fidelity(default_model, tokenizer, Setup("h2o", "auto", "h2o", 0.9), tasks, None)
     for top1, kl in (int4, dropped):
         assert 0.0 <= top1 <= 1.0 and kl > 1e-4
 
@@ -57,9 +59,13 @@ def test_kivi4_keys_keep_the_model_closer_than_per_token_int4(default_model, tok
     with torch.inference_mode():
         answer = default_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, 400:]
     tasks = Tasks([], [], {"case": prompt}, {"case": 12}, [], answers={"case": answer.tolist()})
-    quality.teacher_forced_fidelity(default_model, Setup("uncompressed", "auto", "none", 0.0), tasks, None)
-    _, int4 = quality.teacher_forced_fidelity(default_model, Setup("uniform int4", "int4", "none", 0.0), tasks, None)
-    _, kivi4 = quality.teacher_forced_fidelity(default_model, Setup("uniform kivi4", "kivi4", "none", 0.0), tasks, None)
+    quality.teacher_forced_fidelity(default_model, tokenizer, Setup("uncompressed", "auto", "none", 0.0), tasks, None)
+    _, int4 = quality.teacher_forced_fidelity(
+        default_model, tokenizer, Setup("uniform int4", "int4", "none", 0.0), tasks, None
+    )
+    _, kivi4 = quality.teacher_forced_fidelity(
+        default_model, tokenizer, Setup("uniform kivi4", "kivi4", "none", 0.0), tasks, None
+    )
     assert 0.0 < kivi4 < int4 / 4  # about 0.005 against 0.08 here
 
 

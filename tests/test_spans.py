@@ -46,7 +46,7 @@ def test_an_unbroken_run_is_cut_into_spans_of_at_most_the_longest(tokenizer, sta
 
 def test_chunks_are_fixed_runs_of_positions_and_tokens_have_no_spans():
     assert span_ids("chunk", list(range(10)), None, 4).tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
-    assert span_ids("token", list(range(10)), None, 4) is None
+    assert span_ids("token", list(range(10)), None, 4).tolist() == list(range(10))
 
 
 @given(st.lists(st.tuples(st.integers(0, 6), st.floats(-10, 10)), min_size=1, max_size=40))
