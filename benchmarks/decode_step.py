@@ -11,8 +11,8 @@ REV (a temporary worktree, in its own process, before this tree's).
     python benchmarks/decode_step.py --baseline HEAD~3     # and the same on an older revision
     python benchmarks/decode_step.py --profile-seqs 32     # also: the Python share of a decode step
     python benchmarks/decode_step.py --setups --profile-seqs 32 --out benchmarks/results/decode_step_profile
-    python benchmarks/decode_step.py --setups "compression off" "int8, rate 0.875" "int8, rate 0.875, by word" \
-        --out benchmarks/results/decode_step_spans        # words kept whole against tokens
+    python benchmarks/decode_step.py --setups "compression off" "int8, rate 0.875" "int8, rate 0.875, by token" \
+        --out benchmarks/results/decode_step_spans        # words kept whole (the default) against tokens
     python benchmarks/decode_step.py --device cuda --dtype bfloat16 --out benchmarks/results/gpu/decode_step
 Results: benchmarks/results/decode_step.{json,md}.
 """
@@ -50,11 +50,12 @@ SETUPS = {  # label -> request (dynamic's thresholds decide under the rate's cei
     "int8, rate 0.75": {"policy": "dynamic", "compression_rate": 0.75},
     "int8, rate 0.875": {"policy": "dynamic", "compression_rate": 0.875},
     "kivi4, rate 0.875": {"policy": "dynamic", "compression_rate": 0.875, "kv_cache_dtype": "kivi4"},
-    # Words kept whole (`retention_unit`): their spans found and pooled at every compression.
-    "int8, rate 0.6, by word": {"policy": "dynamic", "compression_rate": 0.6, "retention_unit": "word"},
-    "int8, rate 0.875, by word": {"policy": "dynamic", "compression_rate": 0.875, "retention_unit": "word"},
+    # Each entry on its own (`retention_unit` token), against words kept whole (the default), whose spans
+    # are found and pooled at every compression.
+    "int8, rate 0.6, by token": {"policy": "dynamic", "compression_rate": 0.6, "retention_unit": "token"},
+    "int8, rate 0.875, by token": {"policy": "dynamic", "compression_rate": 0.875, "retention_unit": "token"},
 }
-DEFAULT_SETUPS = [setup for setup in SETUPS if "by word" not in setup]
+DEFAULT_SETUPS = [setup for setup in SETUPS if "by token" not in setup]
 MATMULS = {"aten::mm", "aten::addmm", "aten::bmm"}
 
 

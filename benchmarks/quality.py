@@ -112,7 +112,7 @@ class Setup:
     key_rotation: bool = True  # the server's: quantised keys stored rotated (False: per token as they are)
     pooling: tuple[str, int] | None = None  # dynamic: its own pooling over neighbours, or (this kind, over this many)
     lookahead: int = 0  # the server's lookahead_tokens: greedy tokens observed before the first compression
-    retention_unit: str = "token"  # what is kept or dropped together: each token, each word, chunks
+    retention_unit: str = "word"  # what is kept or dropped together: each word (the server's), token, chunks
 
 
 @dataclass
@@ -284,7 +284,7 @@ def request_of(setup: Setup, interval: int | None = None) -> dict:
         request["layer_budget"] = setup.layer_budget
     if setup.lookahead:
         request["lookahead_tokens"] = setup.lookahead
-    if setup.retention_unit != "token":
+    if setup.retention_unit != "word":
         request["retention_unit"] = setup.retention_unit
     if options:
         request["policy_options"] = {"dynamic": options}
@@ -575,9 +575,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--retention-units",
         nargs="*",
-        choices=["word", "chunk"],
+        choices=["token", "chunk"],
         default=[],
-        help="also dynamic keeping or dropping these units whole (retention_unit), at each rate and fixed rate",
+        help="also dynamic keeping or dropping these units whole (retention_unit; its own: word), at each rate and "
+        "fixed rate",
     )
     parser.add_argument("--no-forced", dest="forced", action="store_false", help="no teacher-forced fidelity")
     parser.add_argument("--peers", action="store_true", help="also run kvpress's presses (make bench-peers)")

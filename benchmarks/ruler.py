@@ -12,13 +12,13 @@ in `/metrics` (compressed / original size per finished request, averaged over th
 Beside them, our own tasks in RULER's form (`benchmarks/exact_values/`): a 7-10 digit number, a UUID
 or a name of several word pieces, in repeated or in natural filler, scored exact, partial (half
 the value copied, the shape a dropped span leaves) or missed; `--seed` draws their cases. Further
-setups compare what eviction keeps together (`retention_unit`: each token, each word, chunks of 8)
+setups compare what eviction keeps together (`retention_unit`: each word as shipped, each token, chunks of 8)
 at about 25%, 10%, 8%, 5% and 3% of the bytes.
 
     python benchmarks/ruler.py                                    # 6 tasks, 4k and 8k, 10 cases each
     python benchmarks/ruler.py --tasks niah_single_1 --lengths 4096 --limit 4 --setups "compression off"
     python benchmarks/ruler.py --tasks exact_number_repeat --lengths 4096 --seed 7 \
-        --setups "compression off" "dynamic, budget ~5%" "dynamic by word, budget ~5%"
+        --setups "compression off" "dynamic, budget ~5%" "dynamic by token, budget ~5%"
 Results: benchmarks/results/ruler.{json,md,png} (make bench-ruler: ruler_4k and ruler_8k).
 """
 
@@ -50,9 +50,9 @@ TASKS = RULER_TASKS + EXACT_TASKS
 OFF = "compression off"
 RATE_ONLY = {"policy": "dynamic", "policy_options": {"dynamic": {"thresholds_decide": False}}}
 BUDGETS = {"25%": 0.75, "10%": 0.9, "8%": 0.92, "5%": 0.95, "3%": 0.97}  # about that share of the bytes: the rate
-UNITS = {  # what is kept or dropped together (`retention_unit`)
+UNITS = {  # what is kept or dropped together (`retention_unit`): the server's (each word), or another
     "": {},
-    " by word": {"retention_unit": "word"},
+    " by token": {"retention_unit": "token"},
     " by chunk of 8": {"retention_unit": "chunk", "chunk_tokens": 8},
 }
 # Each setup: the compression config file's values changed (None: the server started without compression).

@@ -107,10 +107,10 @@ class CompressionSettings(BaseModel):
         "lookahead queries): costs that many decode steps before the first token, no bytes",
     )
     retention_unit: RetentionUnit = Field(
-        "token",
-        description="what is kept or dropped together: token (each entry on its own), word (a word with its "
-        "pieces, a number's digits, a UUID: ranked as its best entry, so a value is kept whole or not at all), "
-        "or chunk (fixed runs of chunk_tokens positions, ChunkKV)",
+        "word",
+        description="what is kept or dropped together: word (a word with its pieces, a number's digits, a UUID: "
+        "ranked as its best entry, so a value is kept whole or not at all), token (each entry on its own), or "
+        "chunk (fixed runs of chunk_tokens positions, ChunkKV)",
     )
     chunk_tokens: int = Field(8, ge=2, le=64, description="positions a span holds with retention_unit chunk")
     layer_budget: Literal["uniform", "pyramid", "adaptive"] = Field(

@@ -76,7 +76,8 @@ class DynamicKVCompressor(Cache):
         `future_value`: the value predictor for the `dynamic` policy (`load_future_value`); without it,
         dynamic scores by observed attention only. `calibrations`: the retention confidence's tables
         (`load_retention`; None: those shipped for the model, if any). `tokenizer`: the model's, which
-        `retention_unit="word"` needs to tell where words begin. Other options (`compression_interval`,
+        `retention_unit="word"` (the default) needs to tell where words begin; without it, entries are kept
+        token by token unless `retention_unit` is given. Other options (`compression_interval`,
         `thresholds={...}`, `kv_cache_dtype`, `policy_options={...}`) are those of a request's
         `compression` object, and anything else is refused (`InvalidCompression` names it); the rest
         comes from `config` (default: config/compression.json)."""
@@ -88,6 +89,8 @@ class DynamicKVCompressor(Cache):
             "compression_rate": compression_rate,
             **options,
         }
+        if tokenizer is None and "retention_unit" not in options:  # words cannot be told without it
+            request["retention_unit"] = "token"
         self.params = resolve(self.config, {k: v for k, v in request.items() if v is not None}, True, stats)
         if self.params.retention_unit == "word" and tokenizer is None:
             raise ValueError("retention_unit='word' needs the model's tokenizer: give tokenizer=")

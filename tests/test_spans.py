@@ -103,3 +103,9 @@ def test_word_retention_keeps_or_drops_each_number_whole(tokenizer, starts, unit
 def test_the_library_asks_for_the_tokenizer_that_word_retention_needs():
     with pytest.raises(ValueError, match="tokenizer"):
         DynamicKVCompressor(retention_unit="word")
+
+
+def test_the_library_keeps_words_whole_by_default_when_given_the_tokenizer_and_tokens_without_it(tokenizer):
+    assert DynamicKVCompressor(tokenizer=tokenizer).params.retention_unit == "word"
+    assert DynamicKVCompressor().params.retention_unit == "token"  # the seed's call, no tokenizer: still works
+    assert DynamicKVCompressor(retention_unit="chunk").params.retention_unit == "chunk"
