@@ -43,18 +43,25 @@ import torch
 
 from compression.arena import Arena
 from compression.block_pool import BlockPool, Codec
+from compression.channel_keys import ChannelKeys, ChannelWrite
+from compression.entry_stats import PARKED, EntryStats
+from compression.kv_layout import (
+    BLOCK_SIZE,
+    KEY_ONLY,
+    KEYS,
+    VALUES,
+    as_tensor,
+    blocks_for,
+    entry_rows,
+    pad,
+    rows_tensor,
+)
 from compression.paged_attention import DecodeBatch
 from compression.quant import random_rotation
 from models.loader import KVShape
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-BLOCK_SIZE = 16
-KEYS, VALUES, KEY_ONLY = 0, 1, 2  # the three tables of a (sequence, layer)
-# What a parked cache keeps of its bookkeeping: what adoption reads. Observations and forecasts
-# answered the parking request's questions; an adopter starts them afresh.
-PARKED_META = {"positions": torch.int32, "key_norm": torch.float16}
 
 
 def memory_for_cache(device: torch.device) -> int:
@@ -128,19 +135,6 @@ class ParkedKV:
         return bool((self.lengths == num_tokens).all() and (self.key_only == 0).all())
 
 
-class ChannelWrite(NamedTuple):
-    """Where one layer's new int4c keys go: whole blocks, each re-encoded from its exact keys."""
-
-    blocks: torch.Tensor  # [n] pool blocks written
-    counts: torch.Tensor  # [n] entries each holds after the step
-    token_block: torch.Tensor  # [tokens] index in `blocks` of each new key
-    token_offset: torch.Tensor  # [tokens] its offset in that block
-    from_tail: torch.Tensor  # indices in `blocks` that held entries already (their slot's key tail)
-    tail_slots: torch.Tensor  # their slots
-    last: torch.Tensor  # index in `blocks` of each slot's last block: its new key tail
-    last_slots: torch.Tensor  # their slots
-
-
 class WriteGroup(NamedTuple):
     """The step's tokens whose keys go to one pool."""
 
@@ -187,7 +181,6 @@ class KVStore:
     ) -> None:
         """`key_rotation`: store quantised keys in a rotated basis (`compression.quant`)."""
         self.num_layers = num_layers
-        self.history_steps = history_steps  # observations each entry keeps for the value predictor
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.max_bytes = max_bytes
@@ -204,14 +197,13 @@ class KVStore:
         self._storage: dict[int, Codec] = {}  # sequences stored at another precision than the default
         self._slots: dict[int, int] = {}  # running sequence -> slot
         self._slot_pools: dict[int, tuple[BlockPool, BlockPool, BlockPool]] = {}  # by table kind
-        self.key_tail: torch.Tensor | None = None  # [layers, slots, block_size, kv_heads, head_dim]: int4c slots'
+        self.channel_keys = ChannelKeys(num_layers, block_size, dtype, self.device)  # int4c keys' writes
         self._free_slots: list[int] = []
         self.tables = np.zeros((3, num_layers, 0, 4), dtype=np.int32)
         self.num_blocks = np.zeros((3, num_layers, 0), dtype=np.int32)
         self.lengths = np.zeros((num_layers, 0), dtype=np.int32)
         self.key_only = np.zeros((num_layers, 0), dtype=np.int32)
-        self.meta: dict[str, torch.Tensor] = {}
-        self._grow_meta(0, 64)
+        self.stats = EntryStats(num_layers, history_steps, self.device)  # what is known of every entry
         self.parked_bookkeeping_bytes = 0  # of the parked caches alive
         # Frees one parked cache (the prefix cache's eviction); True if there was one. A compaction whose
         # fresh blocks find no page asks it, as parked caches that share a sequence's blocks are what
@@ -288,7 +280,7 @@ class KVStore:
     def bytes_for(self, num_tokens: int, codec: Codec | None = None) -> int:
         """Bytes a new sequence of `num_tokens` FULL tokens takes, whole blocks included."""
         codec = codec or self.codec
-        blocks = self.num_layers * _blocks(num_tokens, self.block_size)
+        blocks = self.num_layers * blocks_for(num_tokens, self.block_size)
         return blocks * (self.block_bytes(codec) + self.block_bytes(codec.values))
 
     @property
@@ -353,7 +345,7 @@ class KVStore:
 
     def layer(self, seq_id: int, layer_idx: int) -> LayerKV:
         slot = self._slots[seq_id]
-        meta = {name: t[layer_idx, slot] for name, t in self.meta.items()}
+        meta = self.stats.of(layer_idx, slot)
         return LayerKV(
             length=int(self.lengths[layer_idx, slot]),
             num_key_only=int(self.key_only[layer_idx, slot]),
@@ -386,8 +378,8 @@ class KVStore:
         slot = self._open_slot(seq_id) if created else self._slots[seq_id]
         pools = self._slot_pools[slot]
         lengths = self.lengths[:, slot]
-        need_keys = _blocks(lengths + num_new, self.block_size) - self.num_blocks[KEYS, :, slot]
-        need_values = _blocks(lengths - self.key_only[:, slot] + num_new, self.block_size)
+        need_keys = blocks_for(lengths + num_new, self.block_size) - self.num_blocks[KEYS, :, slot]
+        need_values = blocks_for(lengths - self.key_only[:, slot] + num_new, self.block_size)
         need_values -= self.num_blocks[VALUES, :, slot]
         needed = int(need_keys.clip(0).sum()) * pools[KEYS].block_bytes
         needed += int(need_values.clip(0).sum()) * pools[VALUES].block_bytes
@@ -433,8 +425,10 @@ class KVStore:
             if tokens is not None:
                 channel = None
                 if pool.codec.per_channel:
-                    channel = self._channel_writes(token_slot[tokens], key_index[:, tokens])
-                index = None if len(by_pool) == 1 else _tensor(tokens, device)
+                    channel = self.channel_keys.plan(
+                        self.tables[KEYS], self.lengths, token_slot[tokens], key_index[:, tokens]
+                    )
+                index = None if len(by_pool) == 1 else as_tensor(tokens, device)
                 groups.append(WriteGroup(pool, self._pool(pool.codec.values), index, channel))
         decode = [i for i, seg in enumerate(segments) if seg.num_tokens == 1]
         decode_pools = [self._slot_pools[slots[i]] for i in decode]
@@ -442,26 +436,20 @@ class KVStore:
         observed = [j for j, i in enumerate(decode) if segments[i].observe]
         observe[observed] = np.arange(len(observed))
         plan = StepPlan(
-            token_slot=_tensor(token_slot, device),
-            key_index=_tensor(key_index, device),
-            rows=_tensor(np.concatenate((key_rows, value_rows), axis=1), device),
+            token_slot=as_tensor(token_slot, device),
+            key_index=as_tensor(key_index, device),
+            rows=as_tensor(np.concatenate((key_rows, value_rows), axis=1), device),
             groups=groups,
             decode_tokens=torch.tensor([segments[i].start for i in decode], dtype=torch.long, device=device),
-            row_slot=_tensor(slots[decode], device, torch.int32),
+            row_slot=as_tensor(slots[decode], device, torch.int32),
             row_pool=torch.tensor([pools.index(p[KEYS]) for p in decode_pools], dtype=torch.int32),
             row_value_pool=torch.tensor([pools.index(p[VALUES]) for p in decode_pools], dtype=torch.int32),
             pools=pools,
-            observe_index=_tensor(observe, device),
+            observe_index=as_tensor(observe, device),
             num_observed=len(observed),
             turned_rows=self._turned_rows([p[KEYS] for p in decode_pools]),
         )
-        layer_index = torch.arange(self.num_layers, device=device)[:, None]
-        where = (layer_index, plan.token_slot, plan.key_index)
-        self.meta["positions"][where] = positions
-        self.meta["attention"][where] = 0.0
-        if self.history_steps:
-            self.meta["observed"][layer_index, plan.token_slot, :, plan.key_index] = 0.0
-            self.meta["forecast"][where] = float("nan")
+        self.stats.written(plan.token_slot, plan.key_index, positions)
         return plan
 
     def write(self, layer: int, plan: StepPlan, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -471,7 +459,7 @@ class KVStore:
             tokens = group.tokens
             k, v = (keys, values) if tokens is None else (keys[:, tokens], values[:, tokens])
             if group.channel is not None:
-                self._write_channel_keys(layer, group.keys, group.channel[layer], k)
+                self.channel_keys.write(layer, group.keys, group.channel[layer], k)
                 value_rows = rows[keys.shape[1] :] if tokens is None else rows[tokens + keys.shape[1]]
                 group.values.write(value_rows, v.transpose(0, 1))
                 continue
@@ -479,9 +467,7 @@ class KVStore:
                 k = _turn(k, self.rotation)
             entries = torch.cat((k, v), dim=1).transpose(0, 1)  # [2 * tokens, kv_heads, head_dim]
             group.keys.write(rows if tokens is None else rows[torch.cat((tokens, tokens + keys.shape[1]))], entries)
-        if self.history_steps:
-            norms = keys.float().norm(dim=-1).mean(dim=0)
-            self.meta["key_norm"][layer, plan.token_slot, plan.key_index[layer]] = norms.to(torch.float16)
+        self.stats.note_key_norms(layer, plan.token_slot, plan.key_index[layer], keys)
 
     def decode_batch(self, layer: int, plan: StepPlan, query: torch.Tensor, scale: float) -> DecodeBatch:
         """The decode kernel's view of one layer for the plan's decode rows (query [rows, heads, D])."""
@@ -495,11 +481,11 @@ class KVStore:
             row_pool=plan.row_pool,
             row_value_pool=plan.row_value_pool,
             key_only_pool=plan.pools.index(self.key_only_pool),
-            key_tables=_tensor(self.tables[KEYS, layer], self.device, torch.int32),
-            value_tables=_tensor(self.tables[VALUES, layer], self.device, torch.int32),
-            key_only_tables=_tensor(self.tables[KEY_ONLY, layer], self.device, torch.int32),
-            num_keys=_tensor(self.lengths[layer], self.device, torch.int32),
-            num_key_only=_tensor(self.key_only[layer], self.device, torch.int32),
+            key_tables=as_tensor(self.tables[KEYS, layer], self.device, torch.int32),
+            value_tables=as_tensor(self.tables[VALUES, layer], self.device, torch.int32),
+            key_only_tables=as_tensor(self.tables[KEY_ONLY, layer], self.device, torch.int32),
+            num_keys=as_tensor(self.lengths[layer], self.device, torch.int32),
+            num_key_only=as_tensor(self.key_only[layer], self.device, torch.int32),
             block_size=self.block_size,
             scale=scale,
             observe_index=plan.observe_index,
@@ -517,13 +503,7 @@ class KVStore:
         one's entries) into their observed attention by `accumulate`, and into the predictor's
         history. Past its entries a row's bookkeeping is scratch: a write resets it."""
         slots = torch.tensor([self._slots[s] for s in seq_ids], device=self.device)
-        width = rows.shape[1]
-        attention = self.meta["attention"]
-        attention[layer, slots, :width] = accumulate(attention[layer, slots, :width], rows)
-        if self.history_steps:
-            history = self.meta["observed"]
-            recent = history[layer, slots, :, :width]  # [sequences, steps, width]
-            history[layer, slots, :, :width] = torch.cat((recent[:, 1:], rows.unsqueeze(1).to(recent.dtype)), dim=1)
+        self.stats.observe(layer, slots, rows, accumulate)
 
     def view(self, seq_id: int, layer_idx: int) -> LayerView:
         """Keys and values held by one layer of one sequence, gathered and dequantised."""
@@ -543,7 +523,7 @@ class KVStore:
 
     def positions(self, seq_id: int, layer_idx: int) -> torch.Tensor:
         slot = self._slots[seq_id]
-        return self.meta["positions"][layer_idx, slot, : self.lengths[layer_idx, slot]]
+        return self.stats.rows["positions"][layer_idx, slot, : self.lengths[layer_idx, slot]]
 
     def compact(self, seq_id: int, keep: dict[int, Keep]) -> int:
         """Rebuild the given layers holding only the entries they keep; return bytes freed.
@@ -566,7 +546,7 @@ class KVStore:
         if seq_id not in self._slots:
             return None
         slot = self._slots[seq_id]
-        parked = self._snapshot(slot, PARKED_META)
+        parked = self._snapshot(slot, PARKED)
         self.parked_bookkeeping_bytes += parked.bookkeeping_bytes
         self.num_blocks[:, :, slot] = 0  # the references move to the parked cache
         self._close_slot(seq_id)
@@ -577,7 +557,7 @@ class KVStore:
         blocks are shared by reference, each table's partial last block is copied (the sequence
         goes on writing into its own). None when the copies do not fit in the budget."""
         slot = self._slots[seq_id]
-        parked = self._snapshot(slot, PARKED_META)
+        parked = self._snapshot(slot, PARKED)
         counts = (parked.lengths, parked.lengths - parked.key_only, parked.key_only)  # entries per table kind
         pools = self._slot_pools[slot]
         partial = {(kind, int(layer)) for kind in range(3) for layer in np.flatnonzero(counts[kind] % self.block_size)}
@@ -597,7 +577,7 @@ class KVStore:
                     pools[kind].ref(table.tolist())
         for pool in {id(p): p for p in pools}.values():
             if pairs := copies.get(id(pool)):
-                pool.copy_blocks(*(_tensor(np.array(ids), self.device) for ids in zip(*pairs, strict=True)))
+                pool.copy_blocks(*(as_tensor(np.array(ids), self.device) for ids in zip(*pairs, strict=True)))
         return parked
 
     def reclaimable_bytes(self, parked: list[ParkedKV]) -> int:
@@ -637,11 +617,7 @@ class KVStore:
         except KVBudgetExceeded:
             self.free(seq_id)
             raise
-        # What earlier requests observed was their own questions' attention: the new one starts afresh.
-        self.meta["attention"][:, slot] = 0.0
-        if self.history_steps:
-            self.meta["observed"][:, slot] = 0.0
-            self.meta["forecast"][:, slot] = float("nan")
+        self.stats.forget_observations(slot)
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Forget a running sequence's entries at positions >= num_tokens (tokens it decoded only to
@@ -683,7 +659,7 @@ class KVStore:
     def _turned_rows(self, pools: list[BlockPool]) -> torch.Tensor | None:
         """Indices of the decode rows (of sequences in `pools`) whose keys are stored rotated, or None."""
         turned = [row for row, pool in enumerate(pools) if self._turns_keys(pool)]
-        return _tensor(np.array(turned), self.device) if turned else None
+        return as_tensor(np.array(turned), self.device) if turned else None
 
     def _pool(self, codec: Codec) -> BlockPool:
         if codec.name not in self.pools:
@@ -700,9 +676,8 @@ class KVStore:
         slot = self._free_slots.pop()
         self._slots[seq_id] = slot
         self._slot_pools[slot] = self._pools_of(self.codec_of(seq_id))
-        if self._slot_pools[slot][KEYS].codec.per_channel and self.key_tail is None:
-            shape = (self.num_layers, self.lengths.shape[1], self.block_size, self.num_kv_heads, self.head_dim)
-            self.key_tail = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self._slot_pools[slot][KEYS].codec.per_channel:
+            self.channel_keys.need(self.lengths.shape[1], self.num_kv_heads, self.head_dim)
         self.lengths[:, slot] = 0
         self.key_only[:, slot] = 0
         self.num_blocks[:, :, slot] = 0
@@ -718,41 +693,21 @@ class KVStore:
     def _grow_slots(self) -> None:
         old = self.lengths.shape[1]
         new = max(8, 2 * old)
-        self.tables = _pad(self.tables, 2, new)
-        self.num_blocks = _pad(self.num_blocks, 2, new)
-        self.lengths = _pad(self.lengths, 1, new)
-        self.key_only = _pad(self.key_only, 1, new)
-        self._grow_meta(new, self.meta["positions"].shape[-1])
-        if self.key_tail is not None:
-            tail = self.key_tail.new_zeros(self.num_layers, new, *self.key_tail.shape[2:])
-            tail[:, :old] = self.key_tail
-            self.key_tail = tail
+        self.tables = pad(self.tables, 2, new)
+        self.num_blocks = pad(self.num_blocks, 2, new)
+        self.lengths = pad(self.lengths, 1, new)
+        self.key_only = pad(self.key_only, 1, new)
+        self.stats.grow(new, self.stats.capacity)
+        self.channel_keys.grow(new)
         self._free_slots.extend(range(new - 1, old - 1, -1))
 
     def _ensure_capacity(self, entries: int) -> None:
         """Room for `entries` in every table row and bookkeeping row."""
-        blocks = _blocks(entries, self.block_size)
+        blocks = blocks_for(entries, self.block_size)
         if blocks > self.tables.shape[-1]:
-            self.tables = _pad(self.tables, 3, max(blocks, 2 * self.tables.shape[-1]))
-        capacity = self.meta["positions"].shape[-1]
-        if entries > capacity:
-            self._grow_meta(self.lengths.shape[1], max(entries, 2 * capacity))
-
-    def _grow_meta(self, slots: int, capacity: int) -> None:
-        shape = (self.num_layers, slots)
-        fresh = {
-            "positions": torch.zeros(*shape, capacity, dtype=torch.long, device=self.device),
-            "attention": torch.zeros(*shape, capacity, dtype=torch.float32, device=self.device),
-        }
-        if self.history_steps:
-            fresh["observed"] = torch.zeros(
-                *shape, self.history_steps, capacity, dtype=torch.float16, device=self.device
-            )
-            fresh["key_norm"] = torch.zeros(*shape, capacity, dtype=torch.float16, device=self.device)
-            fresh["forecast"] = torch.full((*shape, capacity), float("nan"), device=self.device)
-        for name, old in self.meta.items():
-            fresh[name][:, : old.shape[1], ..., : old.shape[-1]] = old
-        self.meta = fresh
+            self.tables = pad(self.tables, 3, max(blocks, 2 * self.tables.shape[-1]))
+        if entries > self.stats.capacity:
+            self.stats.grow(self.lengths.shape[1], max(entries, 2 * self.stats.capacity))
 
     def _extend(self, kind: int, layer: int, slot: int, blocks: list[int]) -> None:
         start = self.num_blocks[kind, layer, slot]
@@ -761,17 +716,12 @@ class KVStore:
 
     def _leading_rows(self, kind: int, layer: int, slot: int, n: int) -> torch.Tensor:
         """Pool rows of the first n entries of one table of a running slot."""
-        return _tensor(_entry_rows(self.tables[kind, layer, slot], np.arange(n), self.block_size), self.device)
+        return as_tensor(entry_rows(self.tables[kind, layer, slot], np.arange(n), self.block_size), self.device)
 
     def _snapshot(self, slot: int, own: dict[str, torch.dtype] | None = None) -> ParkedKV:
         """A running slot's cache as a parked one holds it: tables copied, bookkeeping as views of the
         slot's rows, or only the rows named in `own`, copied at their dtype up to the longest layer,
         to outlive the slot."""
-        if own is None:
-            meta = {name: t[:, slot] for name, t in self.meta.items()}
-        else:
-            n = int(self.lengths[:, slot].max())
-            meta = {name: t[:, slot, ..., :n].to(own[name], copy=True) for name, t in self.meta.items() if name in own}
         return ParkedKV(
             codec=self._slot_pools[slot][KEYS].codec,
             tables=[
@@ -783,7 +733,7 @@ class KVStore:
             ],
             lengths=self.lengths[:, slot].copy(),
             key_only=self.key_only[:, slot].copy(),
-            meta=meta,
+            meta=self.stats.snapshot(slot, int(self.lengths[:, slot].max()), own),
         )
 
     def _rebuild(self, slot: int, source: ParkedKV, keep: dict[int, Keep], charge: bool = True) -> None:
@@ -804,19 +754,21 @@ class KVStore:
         bs, pools = self.block_size, self._pools_of(source.codec)
         per_channel = pools[KEYS].codec.per_channel
         layers, orders, layouts, reads, demoted = _plan_rebuild(source, keep, bs)
-        encoded = [pools[kind].read_encoded(self._rows_tensor(reads[kind])) for kind in range(per_channel, 3)]
+        encoded = [pools[kind].read_encoded(rows_tensor(reads[kind], self.device)) for kind in range(per_channel, 3)]
         if per_channel:
-            encoded.insert(KEYS, (pools[KEYS].tensors().read(self._rows_tensor(reads[KEYS]), self.dtype), None))
+            encoded.insert(KEYS, (pools[KEYS].tensors().read(rows_tensor(reads[KEYS], self.device), self.dtype), None))
         key_only_pool = pools[KEY_ONLY]
         if any(rows.size for rows in demoted):
-            values = pools[VALUES].tensors().read(self._rows_tensor(demoted), torch.float32)
+            values = pools[VALUES].tensors().read(rows_tensor(demoted, self.device), torch.float32)
             codes, params = key_only_pool.codec.encode(values.transpose(0, 1))
             # Each layer's KEY_ONLY table: the entries it kept, then those it demoted.
             merged = _interleave([len(rows) for rows in reads[KEY_ONLY]], [len(rows) for rows in demoted])
-            (old_codes, old_params), index = encoded[KEY_ONLY], _tensor(merged, self.device)
+            (old_codes, old_params), index = encoded[KEY_ONLY], as_tensor(merged, self.device)
             encoded[KEY_ONLY] = (torch.cat((old_codes, codes))[index], torch.cat((old_params, params))[index])
         if charge:
-            fresh = sum(_blocks(n, bs) * pools[kind].block_bytes for lay in layouts for kind, (_, n) in enumerate(lay))
+            fresh = sum(
+                blocks_for(n, bs) * pools[kind].block_bytes for lay in layouts for kind, (_, n) in enumerate(lay)
+            )
             if fresh > self.free_bytes:
                 raise KVBudgetExceeded(f"a cached prefix needs {fresh} bytes; {self.free_bytes} are free")
         while not self._rebuild_fits(slot, pools, layers, layouts):
@@ -834,20 +786,21 @@ class KVStore:
                 pools[kind].ref(shared.tolist())
                 pools[kind].unref(old.tolist())
                 self.num_blocks[kind, layer, slot] = 0
-                fresh = pools[kind].allocate(_blocks(n, bs))
+                fresh = pools[kind].allocate(blocks_for(n, bs))
                 self._extend(kind, layer, slot, [*shared.tolist(), *fresh])
                 start = len(shared) * bs
-                targets[kind].append(_entry_rows(self.tables[kind, layer, slot], np.arange(start, start + n), bs))
+                targets[kind].append(entry_rows(self.tables[kind, layer, slot], np.arange(start, start + n), bs))
                 if kind == KEYS:
                     fresh_keys.append(np.array(fresh, dtype=np.int64))
         if per_channel:
             keys = encoded.pop(KEYS)[0]  # [kv_heads, entries, head_dim]
-            self._write_channel_blocks(slot, layers, fresh_keys, [layout[KEYS][1] for layout in layouts], keys)
+            counts = [layout[KEYS][1] for layout in layouts]
+            self.channel_keys.write_fresh(pools[KEYS], slot, layers, fresh_keys, counts, keys)
         for kind, (codes, params) in enumerate(encoded, start=per_channel):
             if len(codes):
-                pools[kind].write_encoded(self._rows_tensor(targets[kind]), codes, params)
+                pools[kind].write_encoded(rows_tensor(targets[kind], self.device), codes, params)
 
-        self._copy_meta(slot, source, layers, [order for order, _ in orders])
+        self.stats.copy_kept(slot, source.meta, layers, [order for order, _ in orders])
         self.lengths[layers, slot] = [len(order) for order, _ in orders]
         self.key_only[layers, slot] = [n_ko for _, n_ko in orders]
 
@@ -866,85 +819,8 @@ class KVStore:
             for kind, (shared, n) in enumerate(layout):
                 let_go = self.tables[kind, layer, slot, len(shared) : self.num_blocks[kind, layer, slot]]
                 freed = sum(1 for b in let_go.tolist() if pools[kind].refs[b] == 1)
-                blocks.append((pools[kind], _blocks(n, self.block_size) - freed))
+                blocks.append((pools[kind], blocks_for(n, self.block_size) - freed))
         return self._arena_fits(blocks)
-
-    def _channel_writes(self, token_slot: np.ndarray, key_index: np.ndarray) -> list[ChannelWrite]:
-        """Per layer, the blocks that these new int4c keys (of slots `token_slot`, at `key_index`
-        [layers, tokens]; lengths already counting them) touch, as `_write_channel_keys` rewrites them."""
-        bs, device = self.block_size, self.device
-        writes = []
-        for layer in range(self.num_layers):
-            position = key_index[layer] // bs
-            pairs, token_block = np.unique(token_slot * self.tables.shape[-1] + position, return_inverse=True)
-            slots, positions = pairs // self.tables.shape[-1], pairs % self.tables.shape[-1]
-            first = np.full(len(pairs), bs)
-            np.minimum.at(first, token_block, key_index[layer] % bs)
-            from_tail = np.flatnonzero(first > 0)  # blocks that held entries before this step
-            last = np.flatnonzero(np.append(slots[1:] != slots[:-1], True))  # pairs are sorted by slot
-            writes.append(
-                ChannelWrite(
-                    blocks=_tensor(self.tables[KEYS, layer, slots, positions], device),
-                    counts=_tensor(np.minimum(bs, self.lengths[layer, slots] - positions * bs), device),
-                    token_block=_tensor(token_block, device),
-                    token_offset=_tensor(key_index[layer] % bs, device),
-                    from_tail=_tensor(from_tail, device),
-                    tail_slots=_tensor(slots[from_tail], device),
-                    last=_tensor(last, device),
-                    last_slots=_tensor(slots[last], device),
-                )
-            )
-        return writes
-
-    def _write_channel_keys(self, layer: int, pool: BlockPool, write: ChannelWrite, keys: torch.Tensor) -> None:
-        """Store new int4c keys [kv_heads, tokens, head_dim]: each block they touch is encoded anew
-        from its exact keys, those it held before coming from its slot's key tail."""
-        staged = keys.new_zeros(len(write.blocks), self.block_size, *keys.shape[::2])
-        staged[write.from_tail] = self.key_tail[layer, write.tail_slots]
-        staged[write.token_block, write.token_offset] = keys.transpose(0, 1)
-        pool.write_blocks(write.blocks, staged, write.counts)
-        self.key_tail[layer, write.last_slots] = staged[write.last]
-
-    def _write_channel_blocks(
-        self, slot: int, layers: list[int], blocks: list[np.ndarray], counts: list[int], keys: torch.Tensor
-    ) -> None:
-        """int4c: write `keys` [kv_heads, sum(counts), head_dim], the fresh part of each layer's keys
-        table in turn (counts[i] entries from a block boundary into `blocks[i]`), and make each
-        layer's partial last block its key tail."""
-        bs, width = self.block_size, keys.shape[-1]
-        padded = []  # each layer's keys, whole blocks' worth: [blocks, bs, kv_heads, head_dim]
-        for part, n in zip(keys.split(counts, dim=1), counts, strict=True):
-            whole = part.new_zeros(part.shape[0], _blocks(n, bs) * bs, width)
-            whole[:, :n] = part
-            padded.append(whole.transpose(0, 1).reshape(-1, bs, part.shape[0], width))
-        staged = torch.cat(padded) if padded else keys.new_zeros(0, bs, keys.shape[0], width)
-        filled = np.concatenate([np.minimum(bs, n - bs * np.arange(_blocks(n, bs))) for n in counts])
-        if len(staged):
-            self._slot_pools[slot][KEYS].write_blocks(
-                self._rows_tensor(blocks), staged, _tensor(filled.astype(np.int64), self.device)
-            )
-        last = np.cumsum([_blocks(n, bs) for n in counts]) - 1
-        tails = [(layer, int(i)) for layer, i, n in zip(layers, last, counts, strict=True) if n % bs]
-        if tails:
-            index = _tensor(np.array([i for _, i in tails]), self.device)
-            self.key_tail[_tensor(np.array([layer for layer, _ in tails]), self.device), slot] = staged[index]
-
-    def _copy_meta(self, slot: int, source: ParkedKV, layers: list[int], orders: list[np.ndarray]) -> None:
-        """The bookkeeping of `source`'s kept entries (`orders`: per layer, in their new order) into `slot`."""
-        width = max(len(order) for order in orders)
-        if not width:
-            return
-        index = np.zeros((len(layers), width), dtype=np.int64)  # past a layer's entries: scratch
-        for i, order in enumerate(orders):
-            index[i, : len(order)] = order
-        rows, layer_index = _tensor(index, self.device), _tensor(np.array(layers), self.device)
-        for name, t in source.meta.items():
-            held = t[layer_index]  # [layers, ..., entries]
-            gather = rows.view(len(layers), *[1] * (held.dim() - 2), width).expand(*held.shape[:-1], width)
-            self.meta[name][layer_index, slot, ..., :width] = held.gather(-1, gather).to(self.meta[name].dtype)
-
-    def _rows_tensor(self, rows: list[np.ndarray]) -> torch.Tensor:
-        return _tensor(np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64), self.device)
 
     def _unref_tables(self, pools: tuple[BlockPool, ...], tables: list[list[np.ndarray]]) -> None:
         for pool, layers in zip(pools, tables, strict=True):
@@ -984,10 +860,10 @@ def _plan_rebuild(source: ParkedKV, keep: dict[int, Keep], bs: int) -> _RebuildP
         for kind, entries in ((KEYS, order), (VALUES, full - n_ko), (KEY_ONLY, key_only[key_only < n_ko])):
             table = source.tables[kind][layer]
             shared = _in_place_run(entries) // bs
-            plan.reads[kind].append(_entry_rows(table, entries[shared * bs :], bs))
+            plan.reads[kind].append(entry_rows(table, entries[shared * bs :], bs))
             layout.append((table[:shared], len(entries) - shared * bs))
         moved = key_only[key_only >= n_ko] - n_ko
-        plan.demoted.append(_entry_rows(source.tables[VALUES][layer], moved, bs))
+        plan.demoted.append(entry_rows(source.tables[VALUES][layer], moved, bs))
         layout[KEY_ONLY] = (layout[KEY_ONLY][0], layout[KEY_ONLY][1] + len(moved))
         plan.orders.append((order, len(key_only)))
         plan.layouts.append(layout)
@@ -1005,11 +881,6 @@ def _in_place_run(entries: np.ndarray) -> int:
     return int(moved[0]) if moved.size else len(entries)
 
 
-def _entry_rows(table: np.ndarray, entries: np.ndarray, block_size: int) -> np.ndarray:
-    """Pool rows (block * block_size + offset) of a table's entries."""
-    return table[entries // block_size].astype(np.int64) * block_size + entries % block_size
-
-
 def _interleave(first: list[int], second: list[int]) -> np.ndarray:
     """Indices into concat(A, B), where A and B are runs of first[i] and second[i] items, that
     give A's run 0, B's run 0, A's run 1, B's run 1, ..."""
@@ -1019,18 +890,3 @@ def _interleave(first: list[int], second: list[int]) -> np.ndarray:
     for a, n, b, m in zip(a_starts, first, b_starts, second, strict=True):
         runs += [np.arange(a, a + n), np.arange(b, b + m)]
     return np.concatenate(runs) if runs else np.zeros(0, dtype=np.int64)
-
-
-def _blocks(entries, block_size: int):
-    return -(-entries // block_size)
-
-
-def _pad(array: np.ndarray, axis: int, size: int) -> np.ndarray:
-    widths = [(0, 0)] * array.ndim
-    widths[axis] = (0, size - array.shape[axis])
-    return np.pad(array, widths)
-
-
-def _tensor(array: np.ndarray, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A numpy array as a tensor on `device`: no copy on CPU when the dtype already matches."""
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
