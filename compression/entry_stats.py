@@ -29,6 +29,10 @@ class EntryStats:
         self.grow(0, 64)
 
     @property
+    def num_slots(self) -> int:
+        return self.rows["positions"].shape[1]
+
+    @property
     def capacity(self) -> int:
         return self.rows["positions"].shape[-1]
 

@@ -43,6 +43,7 @@ import torch
 
 from compression.arena import Arena
 from compression.block_pool import BlockPool, Codec
+from compression.block_tables import BlockTables, Keep, ParkedKV, held_before, interleave, plan_rebuild
 from compression.channel_keys import ChannelKeys, ChannelWrite
 from compression.entry_stats import PARKED, EntryStats
 from compression.kv_layout import (
@@ -53,7 +54,6 @@ from compression.kv_layout import (
     as_tensor,
     blocks_for,
     entry_rows,
-    pad,
     rows_tensor,
 )
 from compression.paged_attention import DecodeBatch
@@ -104,35 +104,6 @@ class LayerView:
     values: torch.Tensor  # [kv_heads, num_full, head_dim]
     key_only_values: torch.Tensor | None  # [kv_heads, num_key_only, head_dim]
     num_key_only: int
-
-
-class Keep(NamedTuple):
-    """The entries (indices in key order) one layer keeps: FULL, and KEY_ONLY."""
-
-    full: torch.Tensor
-    key_only: torch.Tensor
-
-
-@dataclass
-class ParkedKV:
-    """A finished sequence's cache outside the running slots; it holds one reference to its blocks."""
-
-    codec: Codec
-    tables: list[list[np.ndarray]]  # [table kind][layer] block ids
-    lengths: np.ndarray  # [layers] entries held
-    key_only: np.ndarray  # [layers] KEY_ONLY entries
-    meta: dict[str, torch.Tensor]  # bookkeeping rows [layers, ...]
-
-    @property
-    def bookkeeping_bytes(self) -> int:
-        """Host memory beside the blocks: tables, lengths and bookkeeping rows."""
-        arrays = [t for layers in self.tables for t in layers] + [self.lengths, self.key_only]
-        return sum(a.nbytes for a in arrays) + sum(t.nbytes for t in self.meta.values())
-
-    def holds_every_entry(self, num_tokens: int) -> bool:
-        """Every entry of its `num_tokens` tokens, as stored: nothing dropped, no value quantised
-        to KEY_ONLY. Only such a cache is query-agnostic: it serves any later question."""
-        return bool((self.lengths == num_tokens).all() and (self.key_only == 0).all())
 
 
 class WriteGroup(NamedTuple):
@@ -195,14 +166,8 @@ class KVStore:
         self.key_only_pool = self._pool(Codec(f"int{key_only_bits}", head_dim))
         self.evicted_entries: Counter[str] = Counter()  # (layer, token) entries removed, by reason
         self._storage: dict[int, Codec] = {}  # sequences stored at another precision than the default
-        self._slots: dict[int, int] = {}  # running sequence -> slot
-        self._slot_pools: dict[int, tuple[BlockPool, BlockPool, BlockPool]] = {}  # by table kind
         self.channel_keys = ChannelKeys(num_layers, block_size, dtype, self.device)  # int4c keys' writes
-        self._free_slots: list[int] = []
-        self.tables = np.zeros((3, num_layers, 0, 4), dtype=np.int32)
-        self.num_blocks = np.zeros((3, num_layers, 0), dtype=np.int32)
-        self.lengths = np.zeros((num_layers, 0), dtype=np.int32)
-        self.key_only = np.zeros((num_layers, 0), dtype=np.int32)
+        self.tables = BlockTables(num_layers, block_size)  # the running sequences' block tables
         self.stats = EntryStats(num_layers, history_steps, self.device)  # what is known of every entry
         self.parked_bookkeeping_bytes = 0  # of the parked caches alive
         # Frees one parked cache (the prefix cache's eviction); True if there was one. A compaction whose
@@ -302,15 +267,8 @@ class KVStore:
     @property
     def running_bytes(self) -> int:
         """Bytes of the distinct blocks that running sequences hold."""
-        held: dict[int, list[np.ndarray]] = {}
-        for slot in self._slots.values():
-            for kind, pool in enumerate(self._slot_pools[slot]):
-                tables = self.tables[kind, :, slot]
-                held.setdefault(id(pool), []).extend(
-                    tables[layer, : self.num_blocks[kind, layer, slot]] for layer in range(self.num_layers)
-                )
-        pools = {id(pool): pool for pool in self.pools.values()}
-        return sum(len(np.unique(np.concatenate(blocks))) * pools[key].block_bytes for key, blocks in held.items())
+        held = self.tables.running_blocks().values()
+        return sum(len(np.unique(np.concatenate(blocks))) * pool.block_bytes for pool, blocks in held)
 
     @property
     def parked_bytes(self) -> int:
@@ -328,27 +286,27 @@ class KVStore:
 
     def seq_bytes(self, seq_id: int) -> int:
         """Bytes of every block this sequence's tables hold (shared ones too)."""
-        slot = self._slots.get(seq_id)
+        slot = self.tables.slot_of.get(seq_id)
         if slot is None:
             return 0
         return int(self.layer_bytes(seq_id).sum())
 
     def layer_bytes(self, seq_id: int) -> np.ndarray:
         """Bytes of the blocks each layer of this sequence holds [layers]: what it costs, whole blocks counted."""
-        slot = self._slots[seq_id]
-        block_bytes = np.array([pool.block_bytes for pool in self._slot_pools[slot]])
-        return (self.num_blocks[:, :, slot] * block_bytes[:, None]).sum(axis=0)
+        slot = self.tables.slot_of[seq_id]
+        block_bytes = np.array([pool.block_bytes for pool in self.tables.pools[slot]])
+        return (self.tables.num_blocks[:, :, slot] * block_bytes[:, None]).sum(axis=0)
 
     def seq_length(self, seq_id: int, layer: int = 0) -> int:
-        slot = self._slots.get(seq_id)
-        return int(self.lengths[layer, slot]) if slot is not None else 0
+        slot = self.tables.slot_of.get(seq_id)
+        return int(self.tables.lengths[layer, slot]) if slot is not None else 0
 
     def layer(self, seq_id: int, layer_idx: int) -> LayerKV:
-        slot = self._slots[seq_id]
+        slot = self.tables.slot_of[seq_id]
         meta = self.stats.of(layer_idx, slot)
         return LayerKV(
-            length=int(self.lengths[layer_idx, slot]),
-            num_key_only=int(self.key_only[layer_idx, slot]),
+            length=int(self.tables.lengths[layer_idx, slot]),
+            num_key_only=int(self.tables.key_only[layer_idx, slot]),
             positions=meta["positions"],
             attention=meta["attention"],
             observed=meta.get("observed"),
@@ -358,15 +316,15 @@ class KVStore:
 
     def entry_counts(self) -> dict[str, int]:
         """(layer, token) entries held, by tier, over every running sequence."""
-        slots = list(self._slots.values())
-        total, key_only = int(self.lengths[:, slots].sum()), int(self.key_only[:, slots].sum())
+        slots = list(self.tables.slot_of.values())
+        total, key_only = int(self.tables.lengths[:, slots].sum()), int(self.tables.key_only[:, slots].sum())
         return {"full": total - key_only, "key_only": key_only}
 
     def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._slots
+        return seq_id in self.tables.slot_of
 
     def __len__(self) -> int:
-        return len(self._slots)
+        return len(self.tables.slot_of)
 
     # ----- lifecycle ---------------------------------------------------------------------
     def reserve(self, seq_id: int, num_new: int) -> None:
@@ -374,51 +332,51 @@ class KVStore:
 
         All-or-nothing: either every layer has room afterwards or nothing changed.
         """
-        created = seq_id not in self._slots
-        slot = self._open_slot(seq_id) if created else self._slots[seq_id]
-        pools = self._slot_pools[slot]
-        lengths = self.lengths[:, slot]
-        need_keys = blocks_for(lengths + num_new, self.block_size) - self.num_blocks[KEYS, :, slot]
-        need_values = blocks_for(lengths - self.key_only[:, slot] + num_new, self.block_size)
-        need_values -= self.num_blocks[VALUES, :, slot]
+        created = seq_id not in self.tables.slot_of
+        slot = self._open_slot(seq_id) if created else self.tables.slot_of[seq_id]
+        pools = self.tables.pools[slot]
+        lengths = self.tables.lengths[:, slot]
+        need_keys = blocks_for(lengths + num_new, self.block_size) - self.tables.num_blocks[KEYS, :, slot]
+        need_values = blocks_for(lengths - self.tables.key_only[:, slot] + num_new, self.block_size)
+        need_values -= self.tables.num_blocks[VALUES, :, slot]
         needed = int(need_keys.clip(0).sum()) * pools[KEYS].block_bytes
         needed += int(need_values.clip(0).sum()) * pools[VALUES].block_bytes
         blocks = [(pools[KEYS], int(need_keys.clip(0).sum())), (pools[VALUES], int(need_values.clip(0).sum()))]
         if needed > self.free_bytes or not self._arena_fits(blocks):
             if created:
-                self._close_slot(seq_id)
+                self.tables.close(seq_id)
             raise KVBudgetExceeded(
                 f"sequence {seq_id} needs {needed} more KV bytes; {self.free_bytes} of {self.max_bytes} are free"
                 + ("" if needed > self.free_bytes else ", but the arena's pages are held by other storage formats")
             )
-        self._ensure_capacity(int(lengths.max()) + num_new)
+        self._fit(int(lengths.max()) + num_new)
         for kind, need in ((KEYS, need_keys), (VALUES, need_values)):
             for layer in np.flatnonzero(need > 0):
-                self._extend(kind, int(layer), slot, pools[kind].allocate(int(need[layer])))
+                self.tables.extend(kind, int(layer), slot, pools[kind].allocate(int(need[layer])))
 
     def begin_step(self, segments: list, positions: torch.Tensor) -> StepPlan:
         """Plan a forward pass of these segments (`Segment`s, room reserved): where each new entry
         goes in every layer, and the decode rows. The entries count as held from here on."""
-        slots = np.array([self._slots[seg.seq_id] for seg in segments], dtype=np.int64)
+        slots = np.array([self.tables.slot_of[seg.seq_id] for seg in segments], dtype=np.int64)
         counts = np.array([seg.num_tokens for seg in segments], dtype=np.int64)
         token_slot = np.repeat(slots, counts)
         offset = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
         layers = np.arange(self.num_layers)[:, None]
-        key_index = self.lengths[:, token_slot] + offset
-        value_index = key_index - self.key_only[:, token_slot]
+        key_index = self.tables.lengths[:, token_slot] + offset
+        value_index = key_index - self.tables.key_only[:, token_slot]
         bs = self.block_size
 
         def rows(kind: int, index: np.ndarray) -> np.ndarray:
-            return self.tables[kind][layers, token_slot, index // bs].astype(np.int64) * bs + index % bs
+            return self.tables.ids[kind][layers, token_slot, index // bs].astype(np.int64) * bs + index % bs
 
         key_rows, value_rows = rows(KEYS, key_index), rows(VALUES, value_index)
-        np.add.at(self.lengths, (slice(None), slots), counts)
+        np.add.at(self.tables.lengths, (slice(None), slots), counts)
 
         device = self.device
         pools = list(self.pools.values())
         by_pool: dict[int, list[int]] = {}
         for i, seg in enumerate(segments):
-            by_pool.setdefault(id(self._slot_pools[slots[i]][KEYS]), []).extend(range(seg.start, seg.end))
+            by_pool.setdefault(id(self.tables.pools[slots[i]][KEYS]), []).extend(range(seg.start, seg.end))
         groups = []
         for pool in pools:
             tokens = by_pool.get(id(pool))
@@ -426,12 +384,12 @@ class KVStore:
                 channel = None
                 if pool.codec.per_channel:
                     channel = self.channel_keys.plan(
-                        self.tables[KEYS], self.lengths, token_slot[tokens], key_index[:, tokens]
+                        self.tables.ids[KEYS], self.tables.lengths, token_slot[tokens], key_index[:, tokens]
                     )
                 index = None if len(by_pool) == 1 else as_tensor(tokens, device)
                 groups.append(WriteGroup(pool, self._pool(pool.codec.values), index, channel))
         decode = [i for i, seg in enumerate(segments) if seg.num_tokens == 1]
-        decode_pools = [self._slot_pools[slots[i]] for i in decode]
+        decode_pools = [self.tables.pools[slots[i]] for i in decode]
         observe = np.full(len(decode), -1, dtype=np.int32)
         observed = [j for j, i in enumerate(decode) if segments[i].observe]
         observe[observed] = np.arange(len(observed))
@@ -481,11 +439,11 @@ class KVStore:
             row_pool=plan.row_pool,
             row_value_pool=plan.row_value_pool,
             key_only_pool=plan.pools.index(self.key_only_pool),
-            key_tables=as_tensor(self.tables[KEYS, layer], self.device, torch.int32),
-            value_tables=as_tensor(self.tables[VALUES, layer], self.device, torch.int32),
-            key_only_tables=as_tensor(self.tables[KEY_ONLY, layer], self.device, torch.int32),
-            num_keys=as_tensor(self.lengths[layer], self.device, torch.int32),
-            num_key_only=as_tensor(self.key_only[layer], self.device, torch.int32),
+            key_tables=as_tensor(self.tables.ids[KEYS, layer], self.device, torch.int32),
+            value_tables=as_tensor(self.tables.ids[VALUES, layer], self.device, torch.int32),
+            key_only_tables=as_tensor(self.tables.ids[KEY_ONLY, layer], self.device, torch.int32),
+            num_keys=as_tensor(self.tables.lengths[layer], self.device, torch.int32),
+            num_key_only=as_tensor(self.tables.key_only[layer], self.device, torch.int32),
             block_size=self.block_size,
             scale=scale,
             observe_index=plan.observe_index,
@@ -502,28 +460,27 @@ class KVStore:
         """Fold one decode query's attention per sequence (rows [sequences, width], zero past each
         one's entries) into their observed attention by `accumulate`, and into the predictor's
         history. Past its entries a row's bookkeeping is scratch: a write resets it."""
-        slots = torch.tensor([self._slots[s] for s in seq_ids], device=self.device)
+        slots = torch.tensor([self.tables.slot_of[s] for s in seq_ids], device=self.device)
         self.stats.observe(layer, slots, rows, accumulate)
 
     def view(self, seq_id: int, layer_idx: int) -> LayerView:
         """Keys and values held by one layer of one sequence, gathered and dequantised."""
-        slot = self._slots[seq_id]
-        n, n_ko = int(self.lengths[layer_idx, slot]), int(self.key_only[layer_idx, slot])
-        key_pool, value_pool, _ = self._slot_pools[slot]
-        keys = key_pool.tensors().read(self._leading_rows(KEYS, layer_idx, slot, n), self.dtype)
-        if self._turns_keys(key_pool):
+        slot = self.tables.slot_of[seq_id]
+        n, n_ko = int(self.tables.lengths[layer_idx, slot]), int(self.tables.key_only[layer_idx, slot])
+        pools = self.tables.pools[slot]
+
+        def read(kind: int, count: int) -> torch.Tensor:
+            rows = self._rows(self.tables.leading_rows(kind, layer_idx, slot, count))
+            return pools[kind].tensors().read(rows, self.dtype)
+
+        keys = read(KEYS, n)
+        if self._turns_keys(pools[KEYS]):
             keys = _turn(keys, self.rotation.T)
-        values = value_pool.tensors().read(self._leading_rows(VALUES, layer_idx, slot, n - n_ko), self.dtype)
-        key_only = None
-        if n_ko:
-            key_only = self.key_only_pool.tensors().read(
-                self._leading_rows(KEY_ONLY, layer_idx, slot, n_ko), self.dtype
-            )
-        return LayerView(keys, values, key_only, n_ko)
+        return LayerView(keys, read(VALUES, n - n_ko), read(KEY_ONLY, n_ko) if n_ko else None, n_ko)
 
     def positions(self, seq_id: int, layer_idx: int) -> torch.Tensor:
-        slot = self._slots[seq_id]
-        return self.stats.rows["positions"][layer_idx, slot, : self.lengths[layer_idx, slot]]
+        slot = self.tables.slot_of[seq_id]
+        return self.stats.rows["positions"][layer_idx, slot, : self.tables.lengths[layer_idx, slot]]
 
     def compact(self, seq_id: int, keep: dict[int, Keep]) -> int:
         """Rebuild the given layers holding only the entries they keep; return bytes freed.
@@ -532,34 +489,34 @@ class KVStore:
         are quantised now); `full` may name FULL entries only, since a quantised value cannot be
         restored. Entries named in neither are dropped.
         """
-        slot = self._slots[seq_id]
+        slot = self.tables.slot_of[seq_id]
         layers = list(keep)
-        before, held = self.used_bytes, int(self.lengths[layers, slot].sum())
+        before, held = self.used_bytes, int(self.tables.lengths[layers, slot].sum())
         self._rebuild(slot, self._snapshot(slot), keep, charge=False)
-        self.evicted_entries["compression"] += held - int(self.lengths[layers, slot].sum())
+        self.evicted_entries["compression"] += held - int(self.tables.lengths[layers, slot].sum())
         return before - self.used_bytes
 
     # ----- parked caches (the prefix cache's pool) -----------------------------------------
     def park(self, seq_id: int) -> ParkedKV | None:
         """Take a finished sequence's cache out of the running slots; its blocks stay held."""
         self._storage.pop(seq_id, None)
-        if seq_id not in self._slots:
+        if seq_id not in self.tables.slot_of:
             return None
-        slot = self._slots[seq_id]
+        slot = self.tables.slot_of[seq_id]
         parked = self._snapshot(slot, PARKED)
         self.parked_bookkeeping_bytes += parked.bookkeeping_bytes
-        self.num_blocks[:, :, slot] = 0  # the references move to the parked cache
-        self._close_slot(seq_id)
+        self.tables.num_blocks[:, :, slot] = 0  # the references move to the parked cache
+        self.tables.close(seq_id)
         return parked
 
     def share(self, seq_id: int) -> ParkedKV | None:
         """A parked copy of a running sequence's cache that leaves the sequence running: whole
         blocks are shared by reference, each table's partial last block is copied (the sequence
         goes on writing into its own). None when the copies do not fit in the budget."""
-        slot = self._slots[seq_id]
+        slot = self.tables.slot_of[seq_id]
         parked = self._snapshot(slot, PARKED)
         counts = (parked.lengths, parked.lengths - parked.key_only, parked.key_only)  # entries per table kind
-        pools = self._slot_pools[slot]
+        pools = self.tables.pools[slot]
         partial = {(kind, int(layer)) for kind in range(3) for layer in np.flatnonzero(counts[kind] % self.block_size)}
         if sum(pools[kind].block_bytes for kind, _ in partial) + parked.bookkeeping_bytes > self.free_bytes:
             return None
@@ -611,9 +568,9 @@ class KVStore:
         """
         self._storage[seq_id] = parked.codec
         slot = self._open_slot(seq_id)
-        self._ensure_capacity(int(parked.lengths.max()))
+        self._fit(int(parked.lengths.max()))
         try:
-            self._rebuild(slot, parked, _held_before(parked, num_tokens))
+            self._rebuild(slot, parked, held_before(parked, num_tokens))
         except KVBudgetExceeded:
             self.free(seq_id)
             raise
@@ -622,9 +579,9 @@ class KVStore:
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Forget a running sequence's entries at positions >= num_tokens (tokens it decoded only to
         look ahead); they do not count as evicted."""
-        slot = self._slots[seq_id]
+        slot = self.tables.slot_of[seq_id]
         source = self._snapshot(slot)
-        self._rebuild(slot, source, _held_before(source, num_tokens), charge=False)
+        self._rebuild(slot, source, held_before(source, num_tokens), charge=False)
 
     def free(self, seq_id: int, preempted: bool = False) -> int:
         """Drop a sequence's cache and return the bytes that became free.
@@ -634,19 +591,15 @@ class KVStore:
         """
         if not preempted:
             self._storage.pop(seq_id, None)
-        slot = self._slots.get(seq_id)
+        slot = self.tables.slot_of.get(seq_id)
         if slot is None:
             return 0
         if preempted:
-            self.evicted_entries["preemption"] += int(self.lengths[:, slot].sum())
+            self.evicted_entries["preemption"] += int(self.tables.lengths[:, slot].sum())
         before = self.used_bytes
-        tables = [
-            [self.tables[kind, layer, slot, : self.num_blocks[kind, layer, slot]] for layer in range(self.num_layers)]
-            for kind in (KEYS, VALUES, KEY_ONLY)
-        ]
-        self._unref_tables(self._slot_pools[slot], tables)
-        self.num_blocks[:, :, slot] = 0
-        self._close_slot(seq_id)
+        self._unref_tables(self.tables.pools[slot], self.tables.copies(slot))
+        self.tables.num_blocks[:, :, slot] = 0
+        self.tables.close(seq_id)
         return before - self.used_bytes
 
     # ----- internals ---------------------------------------------------------------------
@@ -671,69 +624,33 @@ class KVStore:
         return self._pool(codec), self._pool(codec.values), self.key_only_pool
 
     def _open_slot(self, seq_id: int) -> int:
-        if not self._free_slots:
-            self._grow_slots()
-        slot = self._free_slots.pop()
-        self._slots[seq_id] = slot
-        self._slot_pools[slot] = self._pools_of(self.codec_of(seq_id))
-        if self._slot_pools[slot][KEYS].codec.per_channel:
-            self.channel_keys.need(self.lengths.shape[1], self.num_kv_heads, self.head_dim)
-        self.lengths[:, slot] = 0
-        self.key_only[:, slot] = 0
-        self.num_blocks[:, :, slot] = 0
+        slot = self.tables.open(seq_id, self._pools_of(self.codec_of(seq_id)))
+        if self.stats.num_slots < self.tables.num_slots:
+            self.stats.grow(self.tables.num_slots, self.stats.capacity)
+            self.channel_keys.grow(self.tables.num_slots)
+        if self.tables.pools[slot][KEYS].codec.per_channel:
+            self.channel_keys.need(self.tables.num_slots, self.num_kv_heads, self.head_dim)
         return slot
 
-    def _close_slot(self, seq_id: int) -> None:
-        slot = self._slots.pop(seq_id)
-        del self._slot_pools[slot]
-        self.lengths[:, slot] = 0
-        self.key_only[:, slot] = 0
-        self._free_slots.append(slot)
-
-    def _grow_slots(self) -> None:
-        old = self.lengths.shape[1]
-        new = max(8, 2 * old)
-        self.tables = pad(self.tables, 2, new)
-        self.num_blocks = pad(self.num_blocks, 2, new)
-        self.lengths = pad(self.lengths, 1, new)
-        self.key_only = pad(self.key_only, 1, new)
-        self.stats.grow(new, self.stats.capacity)
-        self.channel_keys.grow(new)
-        self._free_slots.extend(range(new - 1, old - 1, -1))
-
-    def _ensure_capacity(self, entries: int) -> None:
+    def _fit(self, entries: int) -> None:
         """Room for `entries` in every table row and bookkeeping row."""
-        blocks = blocks_for(entries, self.block_size)
-        if blocks > self.tables.shape[-1]:
-            self.tables = pad(self.tables, 3, max(blocks, 2 * self.tables.shape[-1]))
+        self.tables.fit(entries)
         if entries > self.stats.capacity:
-            self.stats.grow(self.lengths.shape[1], max(entries, 2 * self.stats.capacity))
+            self.stats.grow(self.tables.num_slots, max(entries, 2 * self.stats.capacity))
 
-    def _extend(self, kind: int, layer: int, slot: int, blocks: list[int]) -> None:
-        start = self.num_blocks[kind, layer, slot]
-        self.tables[kind, layer, slot, start : start + len(blocks)] = blocks
-        self.num_blocks[kind, layer, slot] += len(blocks)
-
-    def _leading_rows(self, kind: int, layer: int, slot: int, n: int) -> torch.Tensor:
-        """Pool rows of the first n entries of one table of a running slot."""
-        return as_tensor(entry_rows(self.tables[kind, layer, slot], np.arange(n), self.block_size), self.device)
+    def _rows(self, rows: np.ndarray) -> torch.Tensor:
+        return as_tensor(rows, self.device)
 
     def _snapshot(self, slot: int, own: dict[str, torch.dtype] | None = None) -> ParkedKV:
         """A running slot's cache as a parked one holds it: tables copied, bookkeeping as views of the
         slot's rows, or only the rows named in `own`, copied at their dtype up to the longest layer,
         to outlive the slot."""
         return ParkedKV(
-            codec=self._slot_pools[slot][KEYS].codec,
-            tables=[
-                [
-                    self.tables[kind, layer, slot, : self.num_blocks[kind, layer, slot]].copy()
-                    for layer in range(self.num_layers)
-                ]
-                for kind in (KEYS, VALUES, KEY_ONLY)
-            ],
-            lengths=self.lengths[:, slot].copy(),
-            key_only=self.key_only[:, slot].copy(),
-            meta=self.stats.snapshot(slot, int(self.lengths[:, slot].max()), own),
+            codec=self.tables.pools[slot][KEYS].codec,
+            tables=self.tables.copies(slot),
+            lengths=self.tables.lengths[:, slot].copy(),
+            key_only=self.tables.key_only[:, slot].copy(),
+            meta=self.stats.snapshot(slot, int(self.tables.lengths[:, slot].max()), own),
         )
 
     def _rebuild(self, slot: int, source: ParkedKV, keep: dict[int, Keep], charge: bool = True) -> None:
@@ -753,7 +670,7 @@ class KVStore:
             return
         bs, pools = self.block_size, self._pools_of(source.codec)
         per_channel = pools[KEYS].codec.per_channel
-        layers, orders, layouts, reads, demoted = _plan_rebuild(source, keep, bs)
+        layers, orders, layouts, reads, demoted = plan_rebuild(source, keep, bs)
         encoded = [pools[kind].read_encoded(rows_tensor(reads[kind], self.device)) for kind in range(per_channel, 3)]
         if per_channel:
             encoded.insert(KEYS, (pools[KEYS].tensors().read(rows_tensor(reads[KEYS], self.device), self.dtype), None))
@@ -762,7 +679,7 @@ class KVStore:
             values = pools[VALUES].tensors().read(rows_tensor(demoted, self.device), torch.float32)
             codes, params = key_only_pool.codec.encode(values.transpose(0, 1))
             # Each layer's KEY_ONLY table: the entries it kept, then those it demoted.
-            merged = _interleave([len(rows) for rows in reads[KEY_ONLY]], [len(rows) for rows in demoted])
+            merged = interleave([len(rows) for rows in reads[KEY_ONLY]], [len(rows) for rows in demoted])
             (old_codes, old_params), index = encoded[KEY_ONLY], as_tensor(merged, self.device)
             encoded[KEY_ONLY] = (torch.cat((old_codes, codes))[index], torch.cat((old_params, params))[index])
         if charge:
@@ -780,16 +697,16 @@ class KVStore:
         fresh_keys = []  # per layer: the fresh blocks of its keys table
         for layer, layout in zip(layers, layouts, strict=True):
             for kind, (shared, n) in enumerate(layout):
-                old = self.tables[kind, layer, slot, : self.num_blocks[kind, layer, slot]].copy()
+                old = self.tables.held(kind, layer, slot).copy()
                 # What stays is shared first; what goes is given back before fresh blocks are taken (it
                 # was read above), so that a compaction finds room in the blocks it frees.
                 pools[kind].ref(shared.tolist())
                 pools[kind].unref(old.tolist())
-                self.num_blocks[kind, layer, slot] = 0
+                self.tables.num_blocks[kind, layer, slot] = 0
                 fresh = pools[kind].allocate(blocks_for(n, bs))
-                self._extend(kind, layer, slot, [*shared.tolist(), *fresh])
+                self.tables.extend(kind, layer, slot, [*shared.tolist(), *fresh])
                 start = len(shared) * bs
-                targets[kind].append(entry_rows(self.tables[kind, layer, slot], np.arange(start, start + n), bs))
+                targets[kind].append(entry_rows(self.tables.ids[kind, layer, slot], np.arange(start, start + n), bs))
                 if kind == KEYS:
                     fresh_keys.append(np.array(fresh, dtype=np.int64))
         if per_channel:
@@ -801,8 +718,8 @@ class KVStore:
                 pools[kind].write_encoded(rows_tensor(targets[kind], self.device), codes, params)
 
         self.stats.copy_kept(slot, source.meta, layers, [order for order, _ in orders])
-        self.lengths[layers, slot] = [len(order) for order, _ in orders]
-        self.key_only[layers, slot] = [n_ko for _, n_ko in orders]
+        self.tables.lengths[layers, slot] = [len(order) for order, _ in orders]
+        self.tables.key_only[layers, slot] = [n_ko for _, n_ko in orders]
 
     def _arena_fits(self, blocks: list[tuple[BlockPool, int]]) -> bool:
         """Can these pools hand out these many more blocks (pools may repeat) from the arena's pages?"""
@@ -817,7 +734,7 @@ class KVStore:
         blocks = []
         for layer, layout in zip(layers, layouts, strict=True):
             for kind, (shared, n) in enumerate(layout):
-                let_go = self.tables[kind, layer, slot, len(shared) : self.num_blocks[kind, layer, slot]]
+                let_go = self.tables.ids[kind, layer, slot, len(shared) : self.tables.num_blocks[kind, layer, slot]]
                 freed = sum(1 for b in let_go.tolist() if pools[kind].refs[b] == 1)
                 blocks.append((pools[kind], blocks_for(n, self.block_size) - freed))
         return self._arena_fits(blocks)
@@ -828,65 +745,6 @@ class KVStore:
                 pool.unref(blocks.tolist())
 
 
-class _RebuildPlan(NamedTuple):
-    """What `KVStore._rebuild` copies from a parked cache, per layer it rebuilds."""
-
-    layers: list[int]
-    orders: list[tuple[np.ndarray, int]]  # kept entries in their new order (KEY_ONLY first), and the KEY_ONLY count
-    layouts: list[list[tuple[np.ndarray, int]]]  # per table kind: (source blocks shared in place, entries written)
-    reads: list[list[np.ndarray]]  # per table kind, per layer: source rows copied as stored
-    demoted: list[np.ndarray]  # per layer: source rows of FULL values that become KEY_ONLY (quantised now)
-
-
-def _held_before(source: ParkedKV, num_tokens: int) -> dict[int, Keep]:
-    """Every layer's entries of `source` at positions < num_tokens, in their tiers."""
-    keep = {}
-    for layer, (n, n_ko) in enumerate(zip(source.lengths.tolist(), source.key_only.tolist(), strict=True)):
-        held = (source.meta["positions"][layer, :n] < num_tokens).nonzero().flatten()
-        keep[layer] = Keep(full=held[held >= n_ko], key_only=held[held < n_ko])
-    return keep
-
-
-def _plan_rebuild(source: ParkedKV, keep: dict[int, Keep], bs: int) -> _RebuildPlan:
-    """Per layer of `keep`: which source blocks stay shared, and which rows are read, or demoted."""
-    plan = _RebuildPlan(list(keep), [], [], [[], [], []], [])
-    for layer in plan.layers:
-        full, key_only = (np.sort(t.cpu().numpy()) for t in keep[layer])
-        n_ko = int(source.key_only[layer])
-        if full.size and full[0] < n_ko:
-            raise ValueError("a KEY_ONLY entry cannot become FULL again")
-        order = np.concatenate((key_only, full))
-        layout = []
-        for kind, entries in ((KEYS, order), (VALUES, full - n_ko), (KEY_ONLY, key_only[key_only < n_ko])):
-            table = source.tables[kind][layer]
-            shared = _in_place_run(entries) // bs
-            plan.reads[kind].append(entry_rows(table, entries[shared * bs :], bs))
-            layout.append((table[:shared], len(entries) - shared * bs))
-        moved = key_only[key_only >= n_ko] - n_ko
-        plan.demoted.append(entry_rows(source.tables[VALUES][layer], moved, bs))
-        layout[KEY_ONLY] = (layout[KEY_ONLY][0], layout[KEY_ONLY][1] + len(moved))
-        plan.orders.append((order, len(key_only)))
-        plan.layouts.append(layout)
-    return plan
-
-
 def _turn(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """Vectors x [..., head_dim] in the basis `rotation` turns them to, in x's dtype."""
     return (x.float() @ rotation).to(x.dtype)
-
-
-def _in_place_run(entries: np.ndarray) -> int:
-    """How many leading entries sit where they already are (entries[i] == i)."""
-    moved = np.flatnonzero(entries != np.arange(len(entries)))
-    return int(moved[0]) if moved.size else len(entries)
-
-
-def _interleave(first: list[int], second: list[int]) -> np.ndarray:
-    """Indices into concat(A, B), where A and B are runs of first[i] and second[i] items, that
-    give A's run 0, B's run 0, A's run 1, B's run 1, ..."""
-    a_starts = np.cumsum(first) - first
-    b_starts = sum(first) + np.cumsum(second) - second
-    runs = []
-    for a, n, b, m in zip(a_starts, first, b_starts, second, strict=True):
-        runs += [np.arange(a, a + n), np.arange(b, b + m)]
-    return np.concatenate(runs) if runs else np.zeros(0, dtype=np.int64)
