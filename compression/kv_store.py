@@ -1,33 +1,27 @@
 """The KV cache of every sequence, in blocks of one pool per storage format, against one byte budget.
 
-Every (sequence, layer) has three block tables, in key order:
+The store is the account and the lifecycle; its parts each hold one concern:
 
-    keys      [ KEY_ONLY entries ... | FULL entries ... ]   at the sequence's storage format
-    values                           [ FULL values ... ]    same format (int4 beside int4c keys)
-    key-only  [ quantised values ... ]                      int4 or int8
-
-Keys stored as int4c (KIVI's per-channel int4, storage "kivi4") have parameters per block, so a
-block is encoded whole: the exact keys of each slot's partial last block are kept beside it (the
-key tail, in the model's dtype), and each write re-encodes that block from them. Compaction
-re-encodes the blocks it writes from the stored keys (one more rounding for an entry that moves).
-
-A running sequence owns a slot: a row of the tables (`[3, layers, slots, max_blocks]`, with the
-held entries and blocks per table) and of the per-entry bookkeeping (positions, observed attention,
-the value predictor's history, key norm and forecast). Attention reads the blocks in place through
-the tables (`compression.paged_attention`); a forward pass writes its new entries through a
-`StepPlan` made once per step, without a Python loop over sequences.
+- `compression.block_tables`: the running slots' block tables (three per layer: keys, FULL
+  values, KEY_ONLY values; `compression.kv_layout`), parked caches, and how a rebuild keeps blocks;
+- `compression.step_plan`: one forward pass's writes and decode reads over those tables;
+- `compression.channel_keys`: keys stored per channel (int4c, "kivi4"), whose blocks are encoded whole;
+- `compression.entry_stats`: what is known of each entry beside its key and value (position,
+  observed attention, the predictor's history).
 
 Compaction (`compact`) writes the surviving entries into fresh blocks and gives the old ones back;
 the leading blocks it leaves unchanged are kept as they are. A finished sequence is parked (its
 tables leave the slot, its blocks stay) and a later one adopts a prefix of it by sharing whole
 blocks by reference: only a partial last block is copied, since the adopter appends after it.
+Compaction, adoption and truncation all go through one rebuild (`_rebuild`).
 
 The budget counts every block in use, once however many tables share it, at its full size: waste
 is at most one partial block per table. The blocks live in one arena allocated at start-up
 (`compression.arena`), lent in pages to each format's pool: every allocation is checked against
 both the budget and the arena's pages before anything changes. A running slot's bookkeeping is
 allocated with the slots and not counted; a parked cache's (its tables, positions and key norms)
-grows with what the prefix cache holds, so it is counted with the parked blocks.
+grows with what the prefix cache holds, so it is counted with the parked blocks. The file is over
+300 lines because the rebuild and the account it checks belong together.
 """
 
 from __future__ import annotations
@@ -35,7 +29,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 import psutil
@@ -44,7 +38,7 @@ import torch
 from compression.arena import Arena
 from compression.block_pool import BlockPool, Codec
 from compression.block_tables import BlockTables, Keep, ParkedKV, held_before, interleave, plan_rebuild
-from compression.channel_keys import ChannelKeys, ChannelWrite
+from compression.channel_keys import ChannelKeys
 from compression.entry_stats import PARKED, EntryStats
 from compression.kv_layout import (
     BLOCK_SIZE,
@@ -58,6 +52,7 @@ from compression.kv_layout import (
 )
 from compression.paged_attention import DecodeBatch
 from compression.quant import random_rotation
+from compression.step_plan import KeyBasis, StepPlan, StepPlanner
 from models.loader import KVShape
 
 if TYPE_CHECKING:
@@ -106,33 +101,6 @@ class LayerView:
     num_key_only: int
 
 
-class WriteGroup(NamedTuple):
-    """The step's tokens whose keys go to one pool."""
-
-    keys: BlockPool
-    values: BlockPool
-    tokens: torch.Tensor | None  # indices in the step (None: all of them)
-    channel: list[ChannelWrite] | None  # per layer, for int4c keys
-
-
-@dataclass
-class StepPlan:
-    """Where one forward pass writes its new entries, and which of its rows decode."""
-
-    token_slot: torch.Tensor  # [tokens]
-    key_index: torch.Tensor  # [layers, tokens] the new entries' places in their keys tables
-    rows: torch.Tensor  # [layers, 2 * tokens] pool rows of the new keys, then of their values
-    groups: list[WriteGroup]  # the step's tokens by key pool
-    decode_tokens: torch.Tensor  # [rows] tokens of one-token segments
-    row_slot: torch.Tensor  # [rows] int32
-    row_pool: torch.Tensor  # [rows] int32, an index in `pools`: keys
-    row_value_pool: torch.Tensor  # [rows] int32, an index in `pools`: FULL values
-    pools: list[BlockPool]
-    observe_index: torch.Tensor  # [rows] int32
-    num_observed: int
-    turned_rows: torch.Tensor | None  # decode rows whose keys are stored rotated (None: none)
-
-
 class KVStore:
     """The KV cache of every running sequence, and the byte account over all of it."""
 
@@ -158,7 +126,7 @@ class KVStore:
         self.dtype = dtype  # the model's dtype: what attention computes in
         self.device = torch.device(device)
         self.block_size = block_size
-        self.rotation = random_rotation(head_dim).to(self.device) if key_rotation else None
+        self.basis = KeyBasis(random_rotation(head_dim).to(self.device) if key_rotation else None)
         self.codec = self.make_codec(storage)  # the default storage precision
         # All the KV memory, allocated once: every format's pool borrows its pages.
         self.arena = Arena.for_budget(max_bytes, num_kv_heads * block_size * head_dim * 4, self.device)
@@ -168,6 +136,7 @@ class KVStore:
         self._storage: dict[int, Codec] = {}  # sequences stored at another precision than the default
         self.channel_keys = ChannelKeys(num_layers, block_size, dtype, self.device)  # int4c keys' writes
         self.tables = BlockTables(num_layers, block_size)  # the running sequences' block tables
+        self.steps = StepPlanner(self.tables, self.channel_keys, self.basis, self.device)
         self.stats = EntryStats(num_layers, history_steps, self.device)  # what is known of every entry
         self.parked_bookkeeping_bytes = 0  # of the parked caches alive
         # Frees one parked cache (the prefix cache's eviction); True if there was one. A compaction whose
@@ -355,100 +324,20 @@ class KVStore:
                 self.tables.extend(kind, int(layer), slot, pools[kind].allocate(int(need[layer])))
 
     def begin_step(self, segments: list, positions: torch.Tensor) -> StepPlan:
-        """Plan a forward pass of these segments (`Segment`s, room reserved): where each new entry
-        goes in every layer, and the decode rows. The entries count as held from here on."""
-        slots = np.array([self.tables.slot_of[seg.seq_id] for seg in segments], dtype=np.int64)
-        counts = np.array([seg.num_tokens for seg in segments], dtype=np.int64)
-        token_slot = np.repeat(slots, counts)
-        offset = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-        layers = np.arange(self.num_layers)[:, None]
-        key_index = self.tables.lengths[:, token_slot] + offset
-        value_index = key_index - self.tables.key_only[:, token_slot]
-        bs = self.block_size
-
-        def rows(kind: int, index: np.ndarray) -> np.ndarray:
-            return self.tables.ids[kind][layers, token_slot, index // bs].astype(np.int64) * bs + index % bs
-
-        key_rows, value_rows = rows(KEYS, key_index), rows(VALUES, value_index)
-        np.add.at(self.tables.lengths, (slice(None), slots), counts)
-
-        device = self.device
-        pools = list(self.pools.values())
-        by_pool: dict[int, list[int]] = {}
-        for i, seg in enumerate(segments):
-            by_pool.setdefault(id(self.tables.pools[slots[i]][KEYS]), []).extend(range(seg.start, seg.end))
-        groups = []
-        for pool in pools:
-            tokens = by_pool.get(id(pool))
-            if tokens is not None:
-                channel = None
-                if pool.codec.per_channel:
-                    channel = self.channel_keys.plan(
-                        self.tables.ids[KEYS], self.tables.lengths, token_slot[tokens], key_index[:, tokens]
-                    )
-                index = None if len(by_pool) == 1 else as_tensor(tokens, device)
-                groups.append(WriteGroup(pool, self._pool(pool.codec.values), index, channel))
-        decode = [i for i, seg in enumerate(segments) if seg.num_tokens == 1]
-        decode_pools = [self.tables.pools[slots[i]] for i in decode]
-        observe = np.full(len(decode), -1, dtype=np.int32)
-        observed = [j for j, i in enumerate(decode) if segments[i].observe]
-        observe[observed] = np.arange(len(observed))
-        plan = StepPlan(
-            token_slot=as_tensor(token_slot, device),
-            key_index=as_tensor(key_index, device),
-            rows=as_tensor(np.concatenate((key_rows, value_rows), axis=1), device),
-            groups=groups,
-            decode_tokens=torch.tensor([segments[i].start for i in decode], dtype=torch.long, device=device),
-            row_slot=as_tensor(slots[decode], device, torch.int32),
-            row_pool=torch.tensor([pools.index(p[KEYS]) for p in decode_pools], dtype=torch.int32),
-            row_value_pool=torch.tensor([pools.index(p[VALUES]) for p in decode_pools], dtype=torch.int32),
-            pools=pools,
-            observe_index=as_tensor(observe, device),
-            num_observed=len(observed),
-            turned_rows=self._turned_rows([p[KEYS] for p in decode_pools]),
-        )
+        """Plan a forward pass of these segments (`Segment`s, room reserved, at `positions`): where
+        each new entry goes in every layer, and the decode rows. The entries count as held from here on."""
+        plan = self.steps.plan(segments, list(self.pools.values()), self._pool)
         self.stats.written(plan.token_slot, plan.key_index, positions)
         return plan
 
     def write(self, layer: int, plan: StepPlan, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the step's new keys and values of one layer (each [kv_heads, tokens, head_dim])."""
-        rows = plan.rows[layer]
-        for group in plan.groups:
-            tokens = group.tokens
-            k, v = (keys, values) if tokens is None else (keys[:, tokens], values[:, tokens])
-            if group.channel is not None:
-                self.channel_keys.write(layer, group.keys, group.channel[layer], k)
-                value_rows = rows[keys.shape[1] :] if tokens is None else rows[tokens + keys.shape[1]]
-                group.values.write(value_rows, v.transpose(0, 1))
-                continue
-            if self._turns_keys(group.keys):
-                k = _turn(k, self.rotation)
-            entries = torch.cat((k, v), dim=1).transpose(0, 1)  # [2 * tokens, kv_heads, head_dim]
-            group.keys.write(rows if tokens is None else rows[torch.cat((tokens, tokens + keys.shape[1]))], entries)
+        self.steps.write(layer, plan, keys, values)
         self.stats.note_key_norms(layer, plan.token_slot, plan.key_index[layer], keys)
 
     def decode_batch(self, layer: int, plan: StepPlan, query: torch.Tensor, scale: float) -> DecodeBatch:
         """The decode kernel's view of one layer for the plan's decode rows (query [rows, heads, D])."""
-        if plan.turned_rows is not None:  # their keys are stored rotated: q.k is the same in that basis
-            turned = _turn(query.index_select(0, plan.turned_rows), self.rotation)
-            query = query.index_copy(0, plan.turned_rows, turned)
-        return DecodeBatch(
-            query=query,
-            pools=[pool.tensors() for pool in plan.pools],
-            row_slot=plan.row_slot,
-            row_pool=plan.row_pool,
-            row_value_pool=plan.row_value_pool,
-            key_only_pool=plan.pools.index(self.key_only_pool),
-            key_tables=as_tensor(self.tables.ids[KEYS, layer], self.device, torch.int32),
-            value_tables=as_tensor(self.tables.ids[VALUES, layer], self.device, torch.int32),
-            key_only_tables=as_tensor(self.tables.ids[KEY_ONLY, layer], self.device, torch.int32),
-            num_keys=as_tensor(self.tables.lengths[layer], self.device, torch.int32),
-            num_key_only=as_tensor(self.tables.key_only[layer], self.device, torch.int32),
-            block_size=self.block_size,
-            scale=scale,
-            observe_index=plan.observe_index,
-            num_observed=plan.num_observed,
-        )
+        return self.steps.decode_batch(layer, plan, query, scale, self.key_only_pool)
 
     def observe(
         self,
@@ -474,8 +363,8 @@ class KVStore:
             return pools[kind].tensors().read(rows, self.dtype)
 
         keys = read(KEYS, n)
-        if self._turns_keys(pools[KEYS]):
-            keys = _turn(keys, self.rotation.T)
+        if self.basis.turns(pools[KEYS]):
+            keys = self.basis.unturn(keys)
         return LayerView(keys, read(VALUES, n - n_ko), read(KEY_ONLY, n_ko) if n_ko else None, n_ko)
 
     def positions(self, seq_id: int, layer_idx: int) -> torch.Tensor:
@@ -603,17 +492,6 @@ class KVStore:
         return before - self.used_bytes
 
     # ----- internals ---------------------------------------------------------------------
-    def _turns_keys(self, pool: BlockPool) -> bool:
-        """Are the keys of sequences stored in `pool` stored rotated? (Quantised ones, unless turned off;
-        the KEY_ONLY values that may share a pool are values, never turned. Per-channel keys are not:
-        the channels are what their parameters follow.)"""
-        return self.rotation is not None and pool.codec.quantized and not pool.codec.per_channel
-
-    def _turned_rows(self, pools: list[BlockPool]) -> torch.Tensor | None:
-        """Indices of the decode rows (of sequences in `pools`) whose keys are stored rotated, or None."""
-        turned = [row for row, pool in enumerate(pools) if self._turns_keys(pool)]
-        return as_tensor(np.array(turned), self.device) if turned else None
-
     def _pool(self, codec: Codec) -> BlockPool:
         if codec.name not in self.pools:
             self.pools[codec.name] = BlockPool(codec, self.num_kv_heads, self.block_size, self.arena)
@@ -743,8 +621,3 @@ class KVStore:
         for pool, layers in zip(pools, tables, strict=True):
             for blocks in layers:
                 pool.unref(blocks.tolist())
-
-
-def _turn(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """Vectors x [..., head_dim] in the basis `rotation` turns them to, in x's dtype."""
-    return (x.float() @ rotation).to(x.dtype)

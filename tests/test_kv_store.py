@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from compression.arena import SPARE_PAGES, Arena
 from compression.attention import Segment
 from compression.block_pool import BlockPool, Codec
-from compression.kv_store import BLOCK_SIZE, Keep, KVBudgetExceeded, KVStore, ParkedKV
+from compression.block_tables import Keep, ParkedKV
+from compression.kv_layout import BLOCK_SIZE
+from compression.kv_store import KVBudgetExceeded, KVStore
 from compression.paged_attention import decode_attention, decode_attention_reference
 from compression.quant import random_rotation
 from tests.helpers import fill_store as fill
