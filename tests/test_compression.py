@@ -287,11 +287,12 @@ class Peaked(ScorePolicy):
 @pytest.mark.parametrize("attention", [True, False])
 def test_the_compressor_raises_the_entries_attention_leans_on(model, tokenizer, monkeypatch, attention):
     """Through the engine, at int8 under a budget that keeps most entries as KEY_ONLY: the peaks of
-    a policy whose scores are attention are FULL; a policy whose scores are not keeps the count first."""
+    a policy whose scores are attention are FULL; a policy whose scores are not keeps the count first.
+    Entry by entry: kept by word, a peak's word would share its score and its FULL budget."""
     monkeypatch.setitem(POLICIES, "test_peaked", Peaked)
     monkeypatch.setattr(Peaked, "uses_attention", attention)
     engine = make_engine(model, tokenizer, compression=SETTINGS)
-    request = {"policy": "test_peaked", "compression_rate": 0.8, "kv_cache_dtype": "int8"}
+    request = {"policy": "test_peaked", "compression_rate": 0.8, "kv_cache_dtype": "int8", "retention_unit": "token"}
     params = resolve(engine.compression_config, request, True, True, inspect=True)
     engine.add_request("r", prompt(tokenizer, 400), greedy(2), params)
     prefill = run_to_completion(engine)["r"][-1].tier_history.records[0]
@@ -340,7 +341,8 @@ def test_dynamic_budget_compresses_harder_only_while_confident():
     engine = Compressor(KVStore(num_layers=1, num_kv_heads=1, head_dim=4, max_bytes=10**6))
     config = CompressionConfig()
     for seq_id, policy in ((1, "dynamic"), (2, "h2o")):
-        engine.register(seq_id, resolve(config, {"policy": policy, "compression_rate": 0.6}, True, False), 10)
+        request = {"policy": policy, "compression_rate": 0.6, "retention_unit": "token"}  # no tokenizer: no words
+        engine.register(seq_id, resolve(config, request, True, False), 10)
     dynamic, baseline = engine.states[1], engine.states[2]
     dynamic.confidences = [0.3] * 16  # unsure: keep all the rate allows
     assert engine.target_rate(dynamic) == 0.6

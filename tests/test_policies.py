@@ -41,7 +41,13 @@ def oldest_first() -> Iterator[type[ScorePolicy]]:
 def test_a_policy_of_one_class_is_accepted_by_name_and_decides_what_is_kept(tokenizer, oldest_first):
     model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
     engine = make_engine(model, tokenizer, compression=SETTINGS)
-    request = {"policy": "test_oldest_first", "compression_rate": 0.8, "kv_cache_dtype": "auto"}
+    # entry by entry: kept by word, the oldest entry's word would come along whole
+    request = {
+        "policy": "test_oldest_first",
+        "compression_rate": 0.8,
+        "kv_cache_dtype": "auto",
+        "retention_unit": "token",
+    }
     request["policy_options"] = {"test_oldest_first": {"skip": 10}}
     assert CompressionOptions.model_validate(request).policy == "test_oldest_first"  # the request schema knows it
     params = resolve(engine.compression_config, request, True, False)

@@ -145,7 +145,8 @@ def test_the_dynamic_policy_tiers_by_the_prediction_batched_over_layers_and_sequ
     rng = torch.Generator().manual_seed(0)
     ids = torch.randint(3, len(tokenizer), (150,), generator=rng).tolist()  # all three prefill in one step
     for name, use in (("a", True), ("b", True), ("c", False)):
-        params = resolve(settings, {"policy": "dynamic", "compression_rate": 0.8, "value_predictor": use}, True, False)
+        request = {"policy": "dynamic", "compression_rate": 0.8, "value_predictor": use, "retention_unit": "token"}
+        params = resolve(settings, request, True, False)  # entry by entry: exactly the newest
         engine.add_request(name, ids, greedy(48, ignore_eos=True), params)
     run_to_completion(engine)
     assert engine.store.used_bytes == 0
