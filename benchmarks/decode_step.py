@@ -34,7 +34,14 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import RESULTS, Provenance, add_placement_options, commit_of, save_report  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    RESULTS,
+    Provenance,
+    add_placement_options,
+    command_line,
+    commit_of,
+    save_report,
+)
 
 if TYPE_CHECKING:  # not imported here: `measure` imports the engine from the code it measures
     import torch
@@ -274,7 +281,7 @@ def where(args: argparse.Namespace) -> str:
 
 
 def table(data: dict, args: argparse.Namespace) -> str:
-    command = f"commit {data['commit']}, `{' '.join(['python benchmarks/decode_step.py', *sys.argv[1:]])}`"
+    command = f"commit {data['commit']}, `{command_line([__file__, *sys.argv[1:]])}`"
     lines = []
     if data["results"]:
         lines += [

@@ -13,7 +13,7 @@ from app.engine import EngineConfig, LLMEngine
 from app.sequence import SamplingParams
 from benchmarks.corpus import text_of_tokens
 from compression.config import CompressionConfig, resolve
-from compression.kv_store import BLOCK_SIZE
+from compression.kv_layout import BLOCK_SIZE
 from compression.predictor.online import load_future_value, predictor_path
 from models.loader import KVShape, load_model
 

@@ -38,7 +38,7 @@ from benchmarks import kivi  # noqa: E402
 from benchmarks.corpus import text_of_tokens  # noqa: E402
 from benchmarks.report import RESULTS, save_report  # noqa: E402
 from compression.block_pool import Codec  # noqa: E402
-from compression.kv_store import BLOCK_SIZE  # noqa: E402
+from compression.kv_layout import BLOCK_SIZE  # noqa: E402
 from compression.quant import (  # noqa: E402
     bytes_per_vector,
     dequantize,

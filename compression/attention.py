@@ -22,7 +22,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from compression import paged_attention
-from compression.kv_store import KVStore, LayerView, StepPlan
+from compression.kv_store import KVStore, LayerView
+from compression.step_plan import StepPlan
 
 ATTENTION_NAME = "conf_kv_packed"
 

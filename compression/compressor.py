@@ -20,9 +20,10 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
+from compression.block_tables import Keep
 from compression.config import CompressionParams
 from compression.history import TierHistory
-from compression.kv_store import Keep, KVBudgetExceeded, KVStore, LayerKV
+from compression.kv_store import KVBudgetExceeded, KVStore, LayerKV
 from compression.predictor.calibration import Calibration, Source
 from compression.predictor.misses import Dropped
 from compression.predictor.online import Forecast, FutureValue, PredictionJob

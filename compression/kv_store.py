@@ -1,33 +1,27 @@
 """The KV cache of every sequence, in blocks of one pool per storage format, against one byte budget.
 
-Every (sequence, layer) has three block tables, in key order:
+The store is the account and the lifecycle; its parts each hold one concern:
 
-    keys      [ KEY_ONLY entries ... | FULL entries ... ]   at the sequence's storage format
-    values                           [ FULL values ... ]    same format (int4 beside int4c keys)
-    key-only  [ quantised values ... ]                      int4 or int8
-
-Keys stored as int4c (KIVI's per-channel int4, storage "kivi4") have parameters per block, so a
-block is encoded whole: the exact keys of each slot's partial last block are kept beside it (the
-key tail, in the model's dtype), and each write re-encodes that block from them. Compaction
-re-encodes the blocks it writes from the stored keys (one more rounding for an entry that moves).
-
-A running sequence owns a slot: a row of the tables (`[3, layers, slots, max_blocks]`, with the
-held entries and blocks per table) and of the per-entry bookkeeping (positions, observed attention,
-the value predictor's history, key norm and forecast). Attention reads the blocks in place through
-the tables (`compression.paged_attention`); a forward pass writes its new entries through a
-`StepPlan` made once per step, without a Python loop over sequences.
+- `compression.block_tables`: the running slots' block tables (three per layer: keys, FULL
+  values, KEY_ONLY values; `compression.kv_layout`), parked caches, and how a rebuild keeps blocks;
+- `compression.step_plan`: one forward pass's writes and decode reads over those tables;
+- `compression.channel_keys`: keys stored per channel (int4c, "kivi4"), whose blocks are encoded whole;
+- `compression.entry_stats`: what is known of each entry beside its key and value (position,
+  observed attention, the predictor's history).
 
 Compaction (`compact`) writes the surviving entries into fresh blocks and gives the old ones back;
 the leading blocks it leaves unchanged are kept as they are. A finished sequence is parked (its
 tables leave the slot, its blocks stay) and a later one adopts a prefix of it by sharing whole
 blocks by reference: only a partial last block is copied, since the adopter appends after it.
+Compaction, adoption and truncation all go through one rebuild (`_rebuild`).
 
 The budget counts every block in use, once however many tables share it, at its full size: waste
 is at most one partial block per table. The blocks live in one arena allocated at start-up
 (`compression.arena`), lent in pages to each format's pool: every allocation is checked against
 both the budget and the arena's pages before anything changes. A running slot's bookkeeping is
 allocated with the slots and not counted; a parked cache's (its tables, positions and key norms)
-grows with what the prefix cache holds, so it is counted with the parked blocks.
+grows with what the prefix cache holds, so it is counted with the parked blocks. The file is over
+300 lines because the rebuild and the account it checks belong together.
 """
 
 from __future__ import annotations
@@ -35,7 +29,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 import psutil
@@ -43,18 +37,26 @@ import torch
 
 from compression.arena import Arena
 from compression.block_pool import BlockPool, Codec
+from compression.block_tables import BlockTables, Keep, ParkedKV, held_before, interleave, plan_rebuild
+from compression.channel_keys import ChannelKeys
+from compression.entry_stats import PARKED, EntryStats
+from compression.kv_layout import (
+    BLOCK_SIZE,
+    KEY_ONLY,
+    KEYS,
+    VALUES,
+    as_tensor,
+    blocks_for,
+    entry_rows,
+    rows_tensor,
+)
 from compression.paged_attention import DecodeBatch
 from compression.quant import random_rotation
+from compression.step_plan import KeyBasis, StepPlan, StepPlanner
 from models.loader import KVShape
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-BLOCK_SIZE = 16
-KEYS, VALUES, KEY_ONLY = 0, 1, 2  # the three tables of a (sequence, layer)
-# What a parked cache keeps of its bookkeeping: what adoption reads. Observations and forecasts
-# answered the parking request's questions; an adopter starts them afresh.
-PARKED_META = {"positions": torch.int32, "key_norm": torch.float16}
 
 
 def memory_for_cache(device: torch.device) -> int:
@@ -99,75 +101,6 @@ class LayerView:
     num_key_only: int
 
 
-class Keep(NamedTuple):
-    """The entries (indices in key order) one layer keeps: FULL, and KEY_ONLY."""
-
-    full: torch.Tensor
-    key_only: torch.Tensor
-
-
-@dataclass
-class ParkedKV:
-    """A finished sequence's cache outside the running slots; it holds one reference to its blocks."""
-
-    codec: Codec
-    tables: list[list[np.ndarray]]  # [table kind][layer] block ids
-    lengths: np.ndarray  # [layers] entries held
-    key_only: np.ndarray  # [layers] KEY_ONLY entries
-    meta: dict[str, torch.Tensor]  # bookkeeping rows [layers, ...]
-
-    @property
-    def bookkeeping_bytes(self) -> int:
-        """Host memory beside the blocks: tables, lengths and bookkeeping rows."""
-        arrays = [t for layers in self.tables for t in layers] + [self.lengths, self.key_only]
-        return sum(a.nbytes for a in arrays) + sum(t.nbytes for t in self.meta.values())
-
-    def holds_every_entry(self, num_tokens: int) -> bool:
-        """Every entry of its `num_tokens` tokens, as stored: nothing dropped, no value quantised
-        to KEY_ONLY. Only such a cache is query-agnostic: it serves any later question."""
-        return bool((self.lengths == num_tokens).all() and (self.key_only == 0).all())
-
-
-class ChannelWrite(NamedTuple):
-    """Where one layer's new int4c keys go: whole blocks, each re-encoded from its exact keys."""
-
-    blocks: torch.Tensor  # [n] pool blocks written
-    counts: torch.Tensor  # [n] entries each holds after the step
-    token_block: torch.Tensor  # [tokens] index in `blocks` of each new key
-    token_offset: torch.Tensor  # [tokens] its offset in that block
-    from_tail: torch.Tensor  # indices in `blocks` that held entries already (their slot's key tail)
-    tail_slots: torch.Tensor  # their slots
-    last: torch.Tensor  # index in `blocks` of each slot's last block: its new key tail
-    last_slots: torch.Tensor  # their slots
-
-
-class WriteGroup(NamedTuple):
-    """The step's tokens whose keys go to one pool."""
-
-    keys: BlockPool
-    values: BlockPool
-    tokens: torch.Tensor | None  # indices in the step (None: all of them)
-    channel: list[ChannelWrite] | None  # per layer, for int4c keys
-
-
-@dataclass
-class StepPlan:
-    """Where one forward pass writes its new entries, and which of its rows decode."""
-
-    token_slot: torch.Tensor  # [tokens]
-    key_index: torch.Tensor  # [layers, tokens] the new entries' places in their keys tables
-    rows: torch.Tensor  # [layers, 2 * tokens] pool rows of the new keys, then of their values
-    groups: list[WriteGroup]  # the step's tokens by key pool
-    decode_tokens: torch.Tensor  # [rows] tokens of one-token segments
-    row_slot: torch.Tensor  # [rows] int32
-    row_pool: torch.Tensor  # [rows] int32, an index in `pools`: keys
-    row_value_pool: torch.Tensor  # [rows] int32, an index in `pools`: FULL values
-    pools: list[BlockPool]
-    observe_index: torch.Tensor  # [rows] int32
-    num_observed: int
-    turned_rows: torch.Tensor | None  # decode rows whose keys are stored rotated (None: none)
-
-
 class KVStore:
     """The KV cache of every running sequence, and the byte account over all of it."""
 
@@ -187,14 +120,13 @@ class KVStore:
     ) -> None:
         """`key_rotation`: store quantised keys in a rotated basis (`compression.quant`)."""
         self.num_layers = num_layers
-        self.history_steps = history_steps  # observations each entry keeps for the value predictor
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.max_bytes = max_bytes
         self.dtype = dtype  # the model's dtype: what attention computes in
         self.device = torch.device(device)
         self.block_size = block_size
-        self.rotation = random_rotation(head_dim).to(self.device) if key_rotation else None
+        self.basis = KeyBasis(random_rotation(head_dim).to(self.device) if key_rotation else None)
         self.codec = self.make_codec(storage)  # the default storage precision
         # All the KV memory, allocated once: every format's pool borrows its pages.
         self.arena = Arena.for_budget(max_bytes, num_kv_heads * block_size * head_dim * 4, self.device)
@@ -202,16 +134,10 @@ class KVStore:
         self.key_only_pool = self._pool(Codec(f"int{key_only_bits}", head_dim))
         self.evicted_entries: Counter[str] = Counter()  # (layer, token) entries removed, by reason
         self._storage: dict[int, Codec] = {}  # sequences stored at another precision than the default
-        self._slots: dict[int, int] = {}  # running sequence -> slot
-        self._slot_pools: dict[int, tuple[BlockPool, BlockPool, BlockPool]] = {}  # by table kind
-        self.key_tail: torch.Tensor | None = None  # [layers, slots, block_size, kv_heads, head_dim]: int4c slots'
-        self._free_slots: list[int] = []
-        self.tables = np.zeros((3, num_layers, 0, 4), dtype=np.int32)
-        self.num_blocks = np.zeros((3, num_layers, 0), dtype=np.int32)
-        self.lengths = np.zeros((num_layers, 0), dtype=np.int32)
-        self.key_only = np.zeros((num_layers, 0), dtype=np.int32)
-        self.meta: dict[str, torch.Tensor] = {}
-        self._grow_meta(0, 64)
+        self.channel_keys = ChannelKeys(num_layers, block_size, dtype, self.device)  # int4c keys' writes
+        self.tables = BlockTables(num_layers, block_size)  # the running sequences' block tables
+        self.steps = StepPlanner(self.tables, self.channel_keys, self.basis, self.device)
+        self.stats = EntryStats(num_layers, history_steps, self.device)  # what is known of every entry
         self.parked_bookkeeping_bytes = 0  # of the parked caches alive
         # Frees one parked cache (the prefix cache's eviction); True if there was one. A compaction whose
         # fresh blocks find no page asks it, as parked caches that share a sequence's blocks are what
@@ -288,7 +214,7 @@ class KVStore:
     def bytes_for(self, num_tokens: int, codec: Codec | None = None) -> int:
         """Bytes a new sequence of `num_tokens` FULL tokens takes, whole blocks included."""
         codec = codec or self.codec
-        blocks = self.num_layers * _blocks(num_tokens, self.block_size)
+        blocks = self.num_layers * blocks_for(num_tokens, self.block_size)
         return blocks * (self.block_bytes(codec) + self.block_bytes(codec.values))
 
     @property
@@ -310,15 +236,8 @@ class KVStore:
     @property
     def running_bytes(self) -> int:
         """Bytes of the distinct blocks that running sequences hold."""
-        held: dict[int, list[np.ndarray]] = {}
-        for slot in self._slots.values():
-            for kind, pool in enumerate(self._slot_pools[slot]):
-                tables = self.tables[kind, :, slot]
-                held.setdefault(id(pool), []).extend(
-                    tables[layer, : self.num_blocks[kind, layer, slot]] for layer in range(self.num_layers)
-                )
-        pools = {id(pool): pool for pool in self.pools.values()}
-        return sum(len(np.unique(np.concatenate(blocks))) * pools[key].block_bytes for key, blocks in held.items())
+        held = self.tables.running_blocks().values()
+        return sum(len(np.unique(np.concatenate(blocks))) * pool.block_bytes for pool, blocks in held)
 
     @property
     def parked_bytes(self) -> int:
@@ -336,27 +255,27 @@ class KVStore:
 
     def seq_bytes(self, seq_id: int) -> int:
         """Bytes of every block this sequence's tables hold (shared ones too)."""
-        slot = self._slots.get(seq_id)
+        slot = self.tables.slot_of.get(seq_id)
         if slot is None:
             return 0
         return int(self.layer_bytes(seq_id).sum())
 
     def layer_bytes(self, seq_id: int) -> np.ndarray:
         """Bytes of the blocks each layer of this sequence holds [layers]: what it costs, whole blocks counted."""
-        slot = self._slots[seq_id]
-        block_bytes = np.array([pool.block_bytes for pool in self._slot_pools[slot]])
-        return (self.num_blocks[:, :, slot] * block_bytes[:, None]).sum(axis=0)
+        slot = self.tables.slot_of[seq_id]
+        block_bytes = np.array([pool.block_bytes for pool in self.tables.pools[slot]])
+        return (self.tables.num_blocks[:, :, slot] * block_bytes[:, None]).sum(axis=0)
 
     def seq_length(self, seq_id: int, layer: int = 0) -> int:
-        slot = self._slots.get(seq_id)
-        return int(self.lengths[layer, slot]) if slot is not None else 0
+        slot = self.tables.slot_of.get(seq_id)
+        return int(self.tables.lengths[layer, slot]) if slot is not None else 0
 
     def layer(self, seq_id: int, layer_idx: int) -> LayerKV:
-        slot = self._slots[seq_id]
-        meta = {name: t[layer_idx, slot] for name, t in self.meta.items()}
+        slot = self.tables.slot_of[seq_id]
+        meta = self.stats.of(layer_idx, slot)
         return LayerKV(
-            length=int(self.lengths[layer_idx, slot]),
-            num_key_only=int(self.key_only[layer_idx, slot]),
+            length=int(self.tables.lengths[layer_idx, slot]),
+            num_key_only=int(self.tables.key_only[layer_idx, slot]),
             positions=meta["positions"],
             attention=meta["attention"],
             observed=meta.get("observed"),
@@ -366,15 +285,15 @@ class KVStore:
 
     def entry_counts(self) -> dict[str, int]:
         """(layer, token) entries held, by tier, over every running sequence."""
-        slots = list(self._slots.values())
-        total, key_only = int(self.lengths[:, slots].sum()), int(self.key_only[:, slots].sum())
+        slots = list(self.tables.slot_of.values())
+        total, key_only = int(self.tables.lengths[:, slots].sum()), int(self.tables.key_only[:, slots].sum())
         return {"full": total - key_only, "key_only": key_only}
 
     def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._slots
+        return seq_id in self.tables.slot_of
 
     def __len__(self) -> int:
-        return len(self._slots)
+        return len(self.tables.slot_of)
 
     # ----- lifecycle ---------------------------------------------------------------------
     def reserve(self, seq_id: int, num_new: int) -> None:
@@ -382,129 +301,43 @@ class KVStore:
 
         All-or-nothing: either every layer has room afterwards or nothing changed.
         """
-        created = seq_id not in self._slots
-        slot = self._open_slot(seq_id) if created else self._slots[seq_id]
-        pools = self._slot_pools[slot]
-        lengths = self.lengths[:, slot]
-        need_keys = _blocks(lengths + num_new, self.block_size) - self.num_blocks[KEYS, :, slot]
-        need_values = _blocks(lengths - self.key_only[:, slot] + num_new, self.block_size)
-        need_values -= self.num_blocks[VALUES, :, slot]
+        created = seq_id not in self.tables.slot_of
+        slot = self._open_slot(seq_id) if created else self.tables.slot_of[seq_id]
+        pools = self.tables.pools[slot]
+        lengths = self.tables.lengths[:, slot]
+        need_keys = blocks_for(lengths + num_new, self.block_size) - self.tables.num_blocks[KEYS, :, slot]
+        need_values = blocks_for(lengths - self.tables.key_only[:, slot] + num_new, self.block_size)
+        need_values -= self.tables.num_blocks[VALUES, :, slot]
         needed = int(need_keys.clip(0).sum()) * pools[KEYS].block_bytes
         needed += int(need_values.clip(0).sum()) * pools[VALUES].block_bytes
         blocks = [(pools[KEYS], int(need_keys.clip(0).sum())), (pools[VALUES], int(need_values.clip(0).sum()))]
         if needed > self.free_bytes or not self._arena_fits(blocks):
             if created:
-                self._close_slot(seq_id)
+                self.tables.close(seq_id)
             raise KVBudgetExceeded(
                 f"sequence {seq_id} needs {needed} more KV bytes; {self.free_bytes} of {self.max_bytes} are free"
                 + ("" if needed > self.free_bytes else ", but the arena's pages are held by other storage formats")
             )
-        self._ensure_capacity(int(lengths.max()) + num_new)
+        self._fit(int(lengths.max()) + num_new)
         for kind, need in ((KEYS, need_keys), (VALUES, need_values)):
             for layer in np.flatnonzero(need > 0):
-                self._extend(kind, int(layer), slot, pools[kind].allocate(int(need[layer])))
+                self.tables.extend(kind, int(layer), slot, pools[kind].allocate(int(need[layer])))
 
     def begin_step(self, segments: list, positions: torch.Tensor) -> StepPlan:
-        """Plan a forward pass of these segments (`Segment`s, room reserved): where each new entry
-        goes in every layer, and the decode rows. The entries count as held from here on."""
-        slots = np.array([self._slots[seg.seq_id] for seg in segments], dtype=np.int64)
-        counts = np.array([seg.num_tokens for seg in segments], dtype=np.int64)
-        token_slot = np.repeat(slots, counts)
-        offset = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-        layers = np.arange(self.num_layers)[:, None]
-        key_index = self.lengths[:, token_slot] + offset
-        value_index = key_index - self.key_only[:, token_slot]
-        bs = self.block_size
-
-        def rows(kind: int, index: np.ndarray) -> np.ndarray:
-            return self.tables[kind][layers, token_slot, index // bs].astype(np.int64) * bs + index % bs
-
-        key_rows, value_rows = rows(KEYS, key_index), rows(VALUES, value_index)
-        np.add.at(self.lengths, (slice(None), slots), counts)
-
-        device = self.device
-        pools = list(self.pools.values())
-        by_pool: dict[int, list[int]] = {}
-        for i, seg in enumerate(segments):
-            by_pool.setdefault(id(self._slot_pools[slots[i]][KEYS]), []).extend(range(seg.start, seg.end))
-        groups = []
-        for pool in pools:
-            tokens = by_pool.get(id(pool))
-            if tokens is not None:
-                channel = None
-                if pool.codec.per_channel:
-                    channel = self._channel_writes(token_slot[tokens], key_index[:, tokens])
-                index = None if len(by_pool) == 1 else _tensor(tokens, device)
-                groups.append(WriteGroup(pool, self._pool(pool.codec.values), index, channel))
-        decode = [i for i, seg in enumerate(segments) if seg.num_tokens == 1]
-        decode_pools = [self._slot_pools[slots[i]] for i in decode]
-        observe = np.full(len(decode), -1, dtype=np.int32)
-        observed = [j for j, i in enumerate(decode) if segments[i].observe]
-        observe[observed] = np.arange(len(observed))
-        plan = StepPlan(
-            token_slot=_tensor(token_slot, device),
-            key_index=_tensor(key_index, device),
-            rows=_tensor(np.concatenate((key_rows, value_rows), axis=1), device),
-            groups=groups,
-            decode_tokens=torch.tensor([segments[i].start for i in decode], dtype=torch.long, device=device),
-            row_slot=_tensor(slots[decode], device, torch.int32),
-            row_pool=torch.tensor([pools.index(p[KEYS]) for p in decode_pools], dtype=torch.int32),
-            row_value_pool=torch.tensor([pools.index(p[VALUES]) for p in decode_pools], dtype=torch.int32),
-            pools=pools,
-            observe_index=_tensor(observe, device),
-            num_observed=len(observed),
-            turned_rows=self._turned_rows([p[KEYS] for p in decode_pools]),
-        )
-        layer_index = torch.arange(self.num_layers, device=device)[:, None]
-        where = (layer_index, plan.token_slot, plan.key_index)
-        self.meta["positions"][where] = positions
-        self.meta["attention"][where] = 0.0
-        if self.history_steps:
-            self.meta["observed"][layer_index, plan.token_slot, :, plan.key_index] = 0.0
-            self.meta["forecast"][where] = float("nan")
+        """Plan a forward pass of these segments (`Segment`s, room reserved, at `positions`): where
+        each new entry goes in every layer, and the decode rows. The entries count as held from here on."""
+        plan = self.steps.plan(segments, list(self.pools.values()), self._pool)
+        self.stats.written(plan.token_slot, plan.key_index, positions)
         return plan
 
     def write(self, layer: int, plan: StepPlan, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the step's new keys and values of one layer (each [kv_heads, tokens, head_dim])."""
-        rows = plan.rows[layer]
-        for group in plan.groups:
-            tokens = group.tokens
-            k, v = (keys, values) if tokens is None else (keys[:, tokens], values[:, tokens])
-            if group.channel is not None:
-                self._write_channel_keys(layer, group.keys, group.channel[layer], k)
-                value_rows = rows[keys.shape[1] :] if tokens is None else rows[tokens + keys.shape[1]]
-                group.values.write(value_rows, v.transpose(0, 1))
-                continue
-            if self._turns_keys(group.keys):
-                k = _turn(k, self.rotation)
-            entries = torch.cat((k, v), dim=1).transpose(0, 1)  # [2 * tokens, kv_heads, head_dim]
-            group.keys.write(rows if tokens is None else rows[torch.cat((tokens, tokens + keys.shape[1]))], entries)
-        if self.history_steps:
-            norms = keys.float().norm(dim=-1).mean(dim=0)
-            self.meta["key_norm"][layer, plan.token_slot, plan.key_index[layer]] = norms.to(torch.float16)
+        self.steps.write(layer, plan, keys, values)
+        self.stats.note_key_norms(layer, plan.token_slot, plan.key_index[layer], keys)
 
     def decode_batch(self, layer: int, plan: StepPlan, query: torch.Tensor, scale: float) -> DecodeBatch:
         """The decode kernel's view of one layer for the plan's decode rows (query [rows, heads, D])."""
-        if plan.turned_rows is not None:  # their keys are stored rotated: q.k is the same in that basis
-            turned = _turn(query.index_select(0, plan.turned_rows), self.rotation)
-            query = query.index_copy(0, plan.turned_rows, turned)
-        return DecodeBatch(
-            query=query,
-            pools=[pool.tensors() for pool in plan.pools],
-            row_slot=plan.row_slot,
-            row_pool=plan.row_pool,
-            row_value_pool=plan.row_value_pool,
-            key_only_pool=plan.pools.index(self.key_only_pool),
-            key_tables=_tensor(self.tables[KEYS, layer], self.device, torch.int32),
-            value_tables=_tensor(self.tables[VALUES, layer], self.device, torch.int32),
-            key_only_tables=_tensor(self.tables[KEY_ONLY, layer], self.device, torch.int32),
-            num_keys=_tensor(self.lengths[layer], self.device, torch.int32),
-            num_key_only=_tensor(self.key_only[layer], self.device, torch.int32),
-            block_size=self.block_size,
-            scale=scale,
-            observe_index=plan.observe_index,
-            num_observed=plan.num_observed,
-        )
+        return self.steps.decode_batch(layer, plan, query, scale, self.key_only_pool)
 
     def observe(
         self,
@@ -516,34 +349,27 @@ class KVStore:
         """Fold one decode query's attention per sequence (rows [sequences, width], zero past each
         one's entries) into their observed attention by `accumulate`, and into the predictor's
         history. Past its entries a row's bookkeeping is scratch: a write resets it."""
-        slots = torch.tensor([self._slots[s] for s in seq_ids], device=self.device)
-        width = rows.shape[1]
-        attention = self.meta["attention"]
-        attention[layer, slots, :width] = accumulate(attention[layer, slots, :width], rows)
-        if self.history_steps:
-            history = self.meta["observed"]
-            recent = history[layer, slots, :, :width]  # [sequences, steps, width]
-            history[layer, slots, :, :width] = torch.cat((recent[:, 1:], rows.unsqueeze(1).to(recent.dtype)), dim=1)
+        slots = torch.tensor([self.tables.slot_of[s] for s in seq_ids], device=self.device)
+        self.stats.observe(layer, slots, rows, accumulate)
 
     def view(self, seq_id: int, layer_idx: int) -> LayerView:
         """Keys and values held by one layer of one sequence, gathered and dequantised."""
-        slot = self._slots[seq_id]
-        n, n_ko = int(self.lengths[layer_idx, slot]), int(self.key_only[layer_idx, slot])
-        key_pool, value_pool, _ = self._slot_pools[slot]
-        keys = key_pool.tensors().read(self._leading_rows(KEYS, layer_idx, slot, n), self.dtype)
-        if self._turns_keys(key_pool):
-            keys = _turn(keys, self.rotation.T)
-        values = value_pool.tensors().read(self._leading_rows(VALUES, layer_idx, slot, n - n_ko), self.dtype)
-        key_only = None
-        if n_ko:
-            key_only = self.key_only_pool.tensors().read(
-                self._leading_rows(KEY_ONLY, layer_idx, slot, n_ko), self.dtype
-            )
-        return LayerView(keys, values, key_only, n_ko)
+        slot = self.tables.slot_of[seq_id]
+        n, n_ko = int(self.tables.lengths[layer_idx, slot]), int(self.tables.key_only[layer_idx, slot])
+        pools = self.tables.pools[slot]
+
+        def read(kind: int, count: int) -> torch.Tensor:
+            rows = self._rows(self.tables.leading_rows(kind, layer_idx, slot, count))
+            return pools[kind].tensors().read(rows, self.dtype)
+
+        keys = read(KEYS, n)
+        if self.basis.turns(pools[KEYS]):
+            keys = self.basis.unturn(keys)
+        return LayerView(keys, read(VALUES, n - n_ko), read(KEY_ONLY, n_ko) if n_ko else None, n_ko)
 
     def positions(self, seq_id: int, layer_idx: int) -> torch.Tensor:
-        slot = self._slots[seq_id]
-        return self.meta["positions"][layer_idx, slot, : self.lengths[layer_idx, slot]]
+        slot = self.tables.slot_of[seq_id]
+        return self.stats.rows["positions"][layer_idx, slot, : self.tables.lengths[layer_idx, slot]]
 
     def compact(self, seq_id: int, keep: dict[int, Keep]) -> int:
         """Rebuild the given layers holding only the entries they keep; return bytes freed.
@@ -552,34 +378,34 @@ class KVStore:
         are quantised now); `full` may name FULL entries only, since a quantised value cannot be
         restored. Entries named in neither are dropped.
         """
-        slot = self._slots[seq_id]
+        slot = self.tables.slot_of[seq_id]
         layers = list(keep)
-        before, held = self.used_bytes, int(self.lengths[layers, slot].sum())
+        before, held = self.used_bytes, int(self.tables.lengths[layers, slot].sum())
         self._rebuild(slot, self._snapshot(slot), keep, charge=False)
-        self.evicted_entries["compression"] += held - int(self.lengths[layers, slot].sum())
+        self.evicted_entries["compression"] += held - int(self.tables.lengths[layers, slot].sum())
         return before - self.used_bytes
 
     # ----- parked caches (the prefix cache's pool) -----------------------------------------
     def park(self, seq_id: int) -> ParkedKV | None:
         """Take a finished sequence's cache out of the running slots; its blocks stay held."""
         self._storage.pop(seq_id, None)
-        if seq_id not in self._slots:
+        if seq_id not in self.tables.slot_of:
             return None
-        slot = self._slots[seq_id]
-        parked = self._snapshot(slot, PARKED_META)
+        slot = self.tables.slot_of[seq_id]
+        parked = self._snapshot(slot, PARKED)
         self.parked_bookkeeping_bytes += parked.bookkeeping_bytes
-        self.num_blocks[:, :, slot] = 0  # the references move to the parked cache
-        self._close_slot(seq_id)
+        self.tables.num_blocks[:, :, slot] = 0  # the references move to the parked cache
+        self.tables.close(seq_id)
         return parked
 
     def share(self, seq_id: int) -> ParkedKV | None:
         """A parked copy of a running sequence's cache that leaves the sequence running: whole
         blocks are shared by reference, each table's partial last block is copied (the sequence
         goes on writing into its own). None when the copies do not fit in the budget."""
-        slot = self._slots[seq_id]
-        parked = self._snapshot(slot, PARKED_META)
+        slot = self.tables.slot_of[seq_id]
+        parked = self._snapshot(slot, PARKED)
         counts = (parked.lengths, parked.lengths - parked.key_only, parked.key_only)  # entries per table kind
-        pools = self._slot_pools[slot]
+        pools = self.tables.pools[slot]
         partial = {(kind, int(layer)) for kind in range(3) for layer in np.flatnonzero(counts[kind] % self.block_size)}
         if sum(pools[kind].block_bytes for kind, _ in partial) + parked.bookkeeping_bytes > self.free_bytes:
             return None
@@ -597,7 +423,7 @@ class KVStore:
                     pools[kind].ref(table.tolist())
         for pool in {id(p): p for p in pools}.values():
             if pairs := copies.get(id(pool)):
-                pool.copy_blocks(*(_tensor(np.array(ids), self.device) for ids in zip(*pairs, strict=True)))
+                pool.copy_blocks(*(as_tensor(np.array(ids), self.device) for ids in zip(*pairs, strict=True)))
         return parked
 
     def reclaimable_bytes(self, parked: list[ParkedKV]) -> int:
@@ -631,24 +457,20 @@ class KVStore:
         """
         self._storage[seq_id] = parked.codec
         slot = self._open_slot(seq_id)
-        self._ensure_capacity(int(parked.lengths.max()))
+        self._fit(int(parked.lengths.max()))
         try:
-            self._rebuild(slot, parked, _held_before(parked, num_tokens))
+            self._rebuild(slot, parked, held_before(parked, num_tokens))
         except KVBudgetExceeded:
             self.free(seq_id)
             raise
-        # What earlier requests observed was their own questions' attention: the new one starts afresh.
-        self.meta["attention"][:, slot] = 0.0
-        if self.history_steps:
-            self.meta["observed"][:, slot] = 0.0
-            self.meta["forecast"][:, slot] = float("nan")
+        self.stats.forget_observations(slot)
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Forget a running sequence's entries at positions >= num_tokens (tokens it decoded only to
         look ahead); they do not count as evicted."""
-        slot = self._slots[seq_id]
+        slot = self.tables.slot_of[seq_id]
         source = self._snapshot(slot)
-        self._rebuild(slot, source, _held_before(source, num_tokens), charge=False)
+        self._rebuild(slot, source, held_before(source, num_tokens), charge=False)
 
     def free(self, seq_id: int, preempted: bool = False) -> int:
         """Drop a sequence's cache and return the bytes that became free.
@@ -658,33 +480,18 @@ class KVStore:
         """
         if not preempted:
             self._storage.pop(seq_id, None)
-        slot = self._slots.get(seq_id)
+        slot = self.tables.slot_of.get(seq_id)
         if slot is None:
             return 0
         if preempted:
-            self.evicted_entries["preemption"] += int(self.lengths[:, slot].sum())
+            self.evicted_entries["preemption"] += int(self.tables.lengths[:, slot].sum())
         before = self.used_bytes
-        tables = [
-            [self.tables[kind, layer, slot, : self.num_blocks[kind, layer, slot]] for layer in range(self.num_layers)]
-            for kind in (KEYS, VALUES, KEY_ONLY)
-        ]
-        self._unref_tables(self._slot_pools[slot], tables)
-        self.num_blocks[:, :, slot] = 0
-        self._close_slot(seq_id)
+        self._unref_tables(self.tables.pools[slot], self.tables.copies(slot))
+        self.tables.num_blocks[:, :, slot] = 0
+        self.tables.close(seq_id)
         return before - self.used_bytes
 
     # ----- internals ---------------------------------------------------------------------
-    def _turns_keys(self, pool: BlockPool) -> bool:
-        """Are the keys of sequences stored in `pool` stored rotated? (Quantised ones, unless turned off;
-        the KEY_ONLY values that may share a pool are values, never turned. Per-channel keys are not:
-        the channels are what their parameters follow.)"""
-        return self.rotation is not None and pool.codec.quantized and not pool.codec.per_channel
-
-    def _turned_rows(self, pools: list[BlockPool]) -> torch.Tensor | None:
-        """Indices of the decode rows (of sequences in `pools`) whose keys are stored rotated, or None."""
-        turned = [row for row, pool in enumerate(pools) if self._turns_keys(pool)]
-        return _tensor(np.array(turned), self.device) if turned else None
-
     def _pool(self, codec: Codec) -> BlockPool:
         if codec.name not in self.pools:
             self.pools[codec.name] = BlockPool(codec, self.num_kv_heads, self.block_size, self.arena)
@@ -695,95 +502,33 @@ class KVStore:
         return self._pool(codec), self._pool(codec.values), self.key_only_pool
 
     def _open_slot(self, seq_id: int) -> int:
-        if not self._free_slots:
-            self._grow_slots()
-        slot = self._free_slots.pop()
-        self._slots[seq_id] = slot
-        self._slot_pools[slot] = self._pools_of(self.codec_of(seq_id))
-        if self._slot_pools[slot][KEYS].codec.per_channel and self.key_tail is None:
-            shape = (self.num_layers, self.lengths.shape[1], self.block_size, self.num_kv_heads, self.head_dim)
-            self.key_tail = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.lengths[:, slot] = 0
-        self.key_only[:, slot] = 0
-        self.num_blocks[:, :, slot] = 0
+        slot = self.tables.open(seq_id, self._pools_of(self.codec_of(seq_id)))
+        if self.stats.num_slots < self.tables.num_slots:
+            self.stats.grow(self.tables.num_slots, self.stats.capacity)
+            self.channel_keys.grow(self.tables.num_slots)
+        if self.tables.pools[slot][KEYS].codec.per_channel:
+            self.channel_keys.need(self.tables.num_slots, self.num_kv_heads, self.head_dim)
         return slot
 
-    def _close_slot(self, seq_id: int) -> None:
-        slot = self._slots.pop(seq_id)
-        del self._slot_pools[slot]
-        self.lengths[:, slot] = 0
-        self.key_only[:, slot] = 0
-        self._free_slots.append(slot)
-
-    def _grow_slots(self) -> None:
-        old = self.lengths.shape[1]
-        new = max(8, 2 * old)
-        self.tables = _pad(self.tables, 2, new)
-        self.num_blocks = _pad(self.num_blocks, 2, new)
-        self.lengths = _pad(self.lengths, 1, new)
-        self.key_only = _pad(self.key_only, 1, new)
-        self._grow_meta(new, self.meta["positions"].shape[-1])
-        if self.key_tail is not None:
-            tail = self.key_tail.new_zeros(self.num_layers, new, *self.key_tail.shape[2:])
-            tail[:, :old] = self.key_tail
-            self.key_tail = tail
-        self._free_slots.extend(range(new - 1, old - 1, -1))
-
-    def _ensure_capacity(self, entries: int) -> None:
+    def _fit(self, entries: int) -> None:
         """Room for `entries` in every table row and bookkeeping row."""
-        blocks = _blocks(entries, self.block_size)
-        if blocks > self.tables.shape[-1]:
-            self.tables = _pad(self.tables, 3, max(blocks, 2 * self.tables.shape[-1]))
-        capacity = self.meta["positions"].shape[-1]
-        if entries > capacity:
-            self._grow_meta(self.lengths.shape[1], max(entries, 2 * capacity))
+        self.tables.fit(entries)
+        if entries > self.stats.capacity:
+            self.stats.grow(self.tables.num_slots, max(entries, 2 * self.stats.capacity))
 
-    def _grow_meta(self, slots: int, capacity: int) -> None:
-        shape = (self.num_layers, slots)
-        fresh = {
-            "positions": torch.zeros(*shape, capacity, dtype=torch.long, device=self.device),
-            "attention": torch.zeros(*shape, capacity, dtype=torch.float32, device=self.device),
-        }
-        if self.history_steps:
-            fresh["observed"] = torch.zeros(
-                *shape, self.history_steps, capacity, dtype=torch.float16, device=self.device
-            )
-            fresh["key_norm"] = torch.zeros(*shape, capacity, dtype=torch.float16, device=self.device)
-            fresh["forecast"] = torch.full((*shape, capacity), float("nan"), device=self.device)
-        for name, old in self.meta.items():
-            fresh[name][:, : old.shape[1], ..., : old.shape[-1]] = old
-        self.meta = fresh
-
-    def _extend(self, kind: int, layer: int, slot: int, blocks: list[int]) -> None:
-        start = self.num_blocks[kind, layer, slot]
-        self.tables[kind, layer, slot, start : start + len(blocks)] = blocks
-        self.num_blocks[kind, layer, slot] += len(blocks)
-
-    def _leading_rows(self, kind: int, layer: int, slot: int, n: int) -> torch.Tensor:
-        """Pool rows of the first n entries of one table of a running slot."""
-        return _tensor(_entry_rows(self.tables[kind, layer, slot], np.arange(n), self.block_size), self.device)
+    def _rows(self, rows: np.ndarray) -> torch.Tensor:
+        return as_tensor(rows, self.device)
 
     def _snapshot(self, slot: int, own: dict[str, torch.dtype] | None = None) -> ParkedKV:
         """A running slot's cache as a parked one holds it: tables copied, bookkeeping as views of the
         slot's rows, or only the rows named in `own`, copied at their dtype up to the longest layer,
         to outlive the slot."""
-        if own is None:
-            meta = {name: t[:, slot] for name, t in self.meta.items()}
-        else:
-            n = int(self.lengths[:, slot].max())
-            meta = {name: t[:, slot, ..., :n].to(own[name], copy=True) for name, t in self.meta.items() if name in own}
         return ParkedKV(
-            codec=self._slot_pools[slot][KEYS].codec,
-            tables=[
-                [
-                    self.tables[kind, layer, slot, : self.num_blocks[kind, layer, slot]].copy()
-                    for layer in range(self.num_layers)
-                ]
-                for kind in (KEYS, VALUES, KEY_ONLY)
-            ],
-            lengths=self.lengths[:, slot].copy(),
-            key_only=self.key_only[:, slot].copy(),
-            meta=meta,
+            codec=self.tables.pools[slot][KEYS].codec,
+            tables=self.tables.copies(slot),
+            lengths=self.tables.lengths[:, slot].copy(),
+            key_only=self.tables.key_only[:, slot].copy(),
+            meta=self.stats.snapshot(slot, int(self.tables.lengths[:, slot].max()), own),
         )
 
     def _rebuild(self, slot: int, source: ParkedKV, keep: dict[int, Keep], charge: bool = True) -> None:
@@ -803,20 +548,22 @@ class KVStore:
             return
         bs, pools = self.block_size, self._pools_of(source.codec)
         per_channel = pools[KEYS].codec.per_channel
-        layers, orders, layouts, reads, demoted = _plan_rebuild(source, keep, bs)
-        encoded = [pools[kind].read_encoded(self._rows_tensor(reads[kind])) for kind in range(per_channel, 3)]
+        layers, orders, layouts, reads, demoted = plan_rebuild(source, keep, bs)
+        encoded = [pools[kind].read_encoded(rows_tensor(reads[kind], self.device)) for kind in range(per_channel, 3)]
         if per_channel:
-            encoded.insert(KEYS, (pools[KEYS].tensors().read(self._rows_tensor(reads[KEYS]), self.dtype), None))
+            encoded.insert(KEYS, (pools[KEYS].tensors().read(rows_tensor(reads[KEYS], self.device), self.dtype), None))
         key_only_pool = pools[KEY_ONLY]
         if any(rows.size for rows in demoted):
-            values = pools[VALUES].tensors().read(self._rows_tensor(demoted), torch.float32)
+            values = pools[VALUES].tensors().read(rows_tensor(demoted, self.device), torch.float32)
             codes, params = key_only_pool.codec.encode(values.transpose(0, 1))
             # Each layer's KEY_ONLY table: the entries it kept, then those it demoted.
-            merged = _interleave([len(rows) for rows in reads[KEY_ONLY]], [len(rows) for rows in demoted])
-            (old_codes, old_params), index = encoded[KEY_ONLY], _tensor(merged, self.device)
+            merged = interleave([len(rows) for rows in reads[KEY_ONLY]], [len(rows) for rows in demoted])
+            (old_codes, old_params), index = encoded[KEY_ONLY], as_tensor(merged, self.device)
             encoded[KEY_ONLY] = (torch.cat((old_codes, codes))[index], torch.cat((old_params, params))[index])
         if charge:
-            fresh = sum(_blocks(n, bs) * pools[kind].block_bytes for lay in layouts for kind, (_, n) in enumerate(lay))
+            fresh = sum(
+                blocks_for(n, bs) * pools[kind].block_bytes for lay in layouts for kind, (_, n) in enumerate(lay)
+            )
             if fresh > self.free_bytes:
                 raise KVBudgetExceeded(f"a cached prefix needs {fresh} bytes; {self.free_bytes} are free")
         while not self._rebuild_fits(slot, pools, layers, layouts):
@@ -828,28 +575,29 @@ class KVStore:
         fresh_keys = []  # per layer: the fresh blocks of its keys table
         for layer, layout in zip(layers, layouts, strict=True):
             for kind, (shared, n) in enumerate(layout):
-                old = self.tables[kind, layer, slot, : self.num_blocks[kind, layer, slot]].copy()
+                old = self.tables.held(kind, layer, slot).copy()
                 # What stays is shared first; what goes is given back before fresh blocks are taken (it
                 # was read above), so that a compaction finds room in the blocks it frees.
                 pools[kind].ref(shared.tolist())
                 pools[kind].unref(old.tolist())
-                self.num_blocks[kind, layer, slot] = 0
-                fresh = pools[kind].allocate(_blocks(n, bs))
-                self._extend(kind, layer, slot, [*shared.tolist(), *fresh])
+                self.tables.num_blocks[kind, layer, slot] = 0
+                fresh = pools[kind].allocate(blocks_for(n, bs))
+                self.tables.extend(kind, layer, slot, [*shared.tolist(), *fresh])
                 start = len(shared) * bs
-                targets[kind].append(_entry_rows(self.tables[kind, layer, slot], np.arange(start, start + n), bs))
+                targets[kind].append(entry_rows(self.tables.ids[kind, layer, slot], np.arange(start, start + n), bs))
                 if kind == KEYS:
                     fresh_keys.append(np.array(fresh, dtype=np.int64))
         if per_channel:
             keys = encoded.pop(KEYS)[0]  # [kv_heads, entries, head_dim]
-            self._write_channel_blocks(slot, layers, fresh_keys, [layout[KEYS][1] for layout in layouts], keys)
+            counts = [layout[KEYS][1] for layout in layouts]
+            self.channel_keys.write_fresh(pools[KEYS], slot, layers, fresh_keys, counts, keys)
         for kind, (codes, params) in enumerate(encoded, start=per_channel):
             if len(codes):
-                pools[kind].write_encoded(self._rows_tensor(targets[kind]), codes, params)
+                pools[kind].write_encoded(rows_tensor(targets[kind], self.device), codes, params)
 
-        self._copy_meta(slot, source, layers, [order for order, _ in orders])
-        self.lengths[layers, slot] = [len(order) for order, _ in orders]
-        self.key_only[layers, slot] = [n_ko for _, n_ko in orders]
+        self.stats.copy_kept(slot, source.meta, layers, [order for order, _ in orders])
+        self.tables.lengths[layers, slot] = [len(order) for order, _ in orders]
+        self.tables.key_only[layers, slot] = [n_ko for _, n_ko in orders]
 
     def _arena_fits(self, blocks: list[tuple[BlockPool, int]]) -> bool:
         """Can these pools hand out these many more blocks (pools may repeat) from the arena's pages?"""
@@ -864,173 +612,12 @@ class KVStore:
         blocks = []
         for layer, layout in zip(layers, layouts, strict=True):
             for kind, (shared, n) in enumerate(layout):
-                let_go = self.tables[kind, layer, slot, len(shared) : self.num_blocks[kind, layer, slot]]
+                let_go = self.tables.ids[kind, layer, slot, len(shared) : self.tables.num_blocks[kind, layer, slot]]
                 freed = sum(1 for b in let_go.tolist() if pools[kind].refs[b] == 1)
-                blocks.append((pools[kind], _blocks(n, self.block_size) - freed))
+                blocks.append((pools[kind], blocks_for(n, self.block_size) - freed))
         return self._arena_fits(blocks)
-
-    def _channel_writes(self, token_slot: np.ndarray, key_index: np.ndarray) -> list[ChannelWrite]:
-        """Per layer, the blocks that these new int4c keys (of slots `token_slot`, at `key_index`
-        [layers, tokens]; lengths already counting them) touch, as `_write_channel_keys` rewrites them."""
-        bs, device = self.block_size, self.device
-        writes = []
-        for layer in range(self.num_layers):
-            position = key_index[layer] // bs
-            pairs, token_block = np.unique(token_slot * self.tables.shape[-1] + position, return_inverse=True)
-            slots, positions = pairs // self.tables.shape[-1], pairs % self.tables.shape[-1]
-            first = np.full(len(pairs), bs)
-            np.minimum.at(first, token_block, key_index[layer] % bs)
-            from_tail = np.flatnonzero(first > 0)  # blocks that held entries before this step
-            last = np.flatnonzero(np.append(slots[1:] != slots[:-1], True))  # pairs are sorted by slot
-            writes.append(
-                ChannelWrite(
-                    blocks=_tensor(self.tables[KEYS, layer, slots, positions], device),
-                    counts=_tensor(np.minimum(bs, self.lengths[layer, slots] - positions * bs), device),
-                    token_block=_tensor(token_block, device),
-                    token_offset=_tensor(key_index[layer] % bs, device),
-                    from_tail=_tensor(from_tail, device),
-                    tail_slots=_tensor(slots[from_tail], device),
-                    last=_tensor(last, device),
-                    last_slots=_tensor(slots[last], device),
-                )
-            )
-        return writes
-
-    def _write_channel_keys(self, layer: int, pool: BlockPool, write: ChannelWrite, keys: torch.Tensor) -> None:
-        """Store new int4c keys [kv_heads, tokens, head_dim]: each block they touch is encoded anew
-        from its exact keys, those it held before coming from its slot's key tail."""
-        staged = keys.new_zeros(len(write.blocks), self.block_size, *keys.shape[::2])
-        staged[write.from_tail] = self.key_tail[layer, write.tail_slots]
-        staged[write.token_block, write.token_offset] = keys.transpose(0, 1)
-        pool.write_blocks(write.blocks, staged, write.counts)
-        self.key_tail[layer, write.last_slots] = staged[write.last]
-
-    def _write_channel_blocks(
-        self, slot: int, layers: list[int], blocks: list[np.ndarray], counts: list[int], keys: torch.Tensor
-    ) -> None:
-        """int4c: write `keys` [kv_heads, sum(counts), head_dim], the fresh part of each layer's keys
-        table in turn (counts[i] entries from a block boundary into `blocks[i]`), and make each
-        layer's partial last block its key tail."""
-        bs, width = self.block_size, keys.shape[-1]
-        padded = []  # each layer's keys, whole blocks' worth: [blocks, bs, kv_heads, head_dim]
-        for part, n in zip(keys.split(counts, dim=1), counts, strict=True):
-            whole = part.new_zeros(part.shape[0], _blocks(n, bs) * bs, width)
-            whole[:, :n] = part
-            padded.append(whole.transpose(0, 1).reshape(-1, bs, part.shape[0], width))
-        staged = torch.cat(padded) if padded else keys.new_zeros(0, bs, keys.shape[0], width)
-        filled = np.concatenate([np.minimum(bs, n - bs * np.arange(_blocks(n, bs))) for n in counts])
-        if len(staged):
-            self._slot_pools[slot][KEYS].write_blocks(
-                self._rows_tensor(blocks), staged, _tensor(filled.astype(np.int64), self.device)
-            )
-        last = np.cumsum([_blocks(n, bs) for n in counts]) - 1
-        tails = [(layer, int(i)) for layer, i, n in zip(layers, last, counts, strict=True) if n % bs]
-        if tails:
-            index = _tensor(np.array([i for _, i in tails]), self.device)
-            self.key_tail[_tensor(np.array([layer for layer, _ in tails]), self.device), slot] = staged[index]
-
-    def _copy_meta(self, slot: int, source: ParkedKV, layers: list[int], orders: list[np.ndarray]) -> None:
-        """The bookkeeping of `source`'s kept entries (`orders`: per layer, in their new order) into `slot`."""
-        width = max(len(order) for order in orders)
-        if not width:
-            return
-        index = np.zeros((len(layers), width), dtype=np.int64)  # past a layer's entries: scratch
-        for i, order in enumerate(orders):
-            index[i, : len(order)] = order
-        rows, layer_index = _tensor(index, self.device), _tensor(np.array(layers), self.device)
-        for name, t in source.meta.items():
-            held = t[layer_index]  # [layers, ..., entries]
-            gather = rows.view(len(layers), *[1] * (held.dim() - 2), width).expand(*held.shape[:-1], width)
-            self.meta[name][layer_index, slot, ..., :width] = held.gather(-1, gather).to(self.meta[name].dtype)
-
-    def _rows_tensor(self, rows: list[np.ndarray]) -> torch.Tensor:
-        return _tensor(np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64), self.device)
 
     def _unref_tables(self, pools: tuple[BlockPool, ...], tables: list[list[np.ndarray]]) -> None:
         for pool, layers in zip(pools, tables, strict=True):
             for blocks in layers:
                 pool.unref(blocks.tolist())
-
-
-class _RebuildPlan(NamedTuple):
-    """What `KVStore._rebuild` copies from a parked cache, per layer it rebuilds."""
-
-    layers: list[int]
-    orders: list[tuple[np.ndarray, int]]  # kept entries in their new order (KEY_ONLY first), and the KEY_ONLY count
-    layouts: list[list[tuple[np.ndarray, int]]]  # per table kind: (source blocks shared in place, entries written)
-    reads: list[list[np.ndarray]]  # per table kind, per layer: source rows copied as stored
-    demoted: list[np.ndarray]  # per layer: source rows of FULL values that become KEY_ONLY (quantised now)
-
-
-def _held_before(source: ParkedKV, num_tokens: int) -> dict[int, Keep]:
-    """Every layer's entries of `source` at positions < num_tokens, in their tiers."""
-    keep = {}
-    for layer, (n, n_ko) in enumerate(zip(source.lengths.tolist(), source.key_only.tolist(), strict=True)):
-        held = (source.meta["positions"][layer, :n] < num_tokens).nonzero().flatten()
-        keep[layer] = Keep(full=held[held >= n_ko], key_only=held[held < n_ko])
-    return keep
-
-
-def _plan_rebuild(source: ParkedKV, keep: dict[int, Keep], bs: int) -> _RebuildPlan:
-    """Per layer of `keep`: which source blocks stay shared, and which rows are read, or demoted."""
-    plan = _RebuildPlan(list(keep), [], [], [[], [], []], [])
-    for layer in plan.layers:
-        full, key_only = (np.sort(t.cpu().numpy()) for t in keep[layer])
-        n_ko = int(source.key_only[layer])
-        if full.size and full[0] < n_ko:
-            raise ValueError("a KEY_ONLY entry cannot become FULL again")
-        order = np.concatenate((key_only, full))
-        layout = []
-        for kind, entries in ((KEYS, order), (VALUES, full - n_ko), (KEY_ONLY, key_only[key_only < n_ko])):
-            table = source.tables[kind][layer]
-            shared = _in_place_run(entries) // bs
-            plan.reads[kind].append(_entry_rows(table, entries[shared * bs :], bs))
-            layout.append((table[:shared], len(entries) - shared * bs))
-        moved = key_only[key_only >= n_ko] - n_ko
-        plan.demoted.append(_entry_rows(source.tables[VALUES][layer], moved, bs))
-        layout[KEY_ONLY] = (layout[KEY_ONLY][0], layout[KEY_ONLY][1] + len(moved))
-        plan.orders.append((order, len(key_only)))
-        plan.layouts.append(layout)
-    return plan
-
-
-def _turn(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """Vectors x [..., head_dim] in the basis `rotation` turns them to, in x's dtype."""
-    return (x.float() @ rotation).to(x.dtype)
-
-
-def _in_place_run(entries: np.ndarray) -> int:
-    """How many leading entries sit where they already are (entries[i] == i)."""
-    moved = np.flatnonzero(entries != np.arange(len(entries)))
-    return int(moved[0]) if moved.size else len(entries)
-
-
-def _entry_rows(table: np.ndarray, entries: np.ndarray, block_size: int) -> np.ndarray:
-    """Pool rows (block * block_size + offset) of a table's entries."""
-    return table[entries // block_size].astype(np.int64) * block_size + entries % block_size
-
-
-def _interleave(first: list[int], second: list[int]) -> np.ndarray:
-    """Indices into concat(A, B), where A and B are runs of first[i] and second[i] items, that
-    give A's run 0, B's run 0, A's run 1, B's run 1, ..."""
-    a_starts = np.cumsum(first) - first
-    b_starts = sum(first) + np.cumsum(second) - second
-    runs = []
-    for a, n, b, m in zip(a_starts, first, b_starts, second, strict=True):
-        runs += [np.arange(a, a + n), np.arange(b, b + m)]
-    return np.concatenate(runs) if runs else np.zeros(0, dtype=np.int64)
-
-
-def _blocks(entries, block_size: int):
-    return -(-entries // block_size)
-
-
-def _pad(array: np.ndarray, axis: int, size: int) -> np.ndarray:
-    widths = [(0, 0)] * array.ndim
-    widths[axis] = (0, size - array.shape[axis])
-    return np.pad(array, widths)
-
-
-def _tensor(array: np.ndarray, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A numpy array as a tensor on `device`: no copy on CPU when the dtype already matches."""
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)

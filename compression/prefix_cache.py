@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from compression.kv_store import KVStore, ParkedKV
+from compression.block_tables import ParkedKV
+from compression.kv_store import KVStore
 from compression.lru import LRUK
 
 PARKED = ("prompt", "request")  # how an entry was parked: a prompt as its prefill ended, a whole finished request

@@ -14,9 +14,11 @@ from hypothesis import strategies as st
 from app.engine import run_to_completion
 from benchmarks.inspect_render import tiers_by_position
 from compression.block_pool import Codec
+from compression.block_tables import Keep
 from compression.config import CompressionConfig, resolve
 from compression.history import FULL, KEY_ONLY
-from compression.kv_store import BLOCK_SIZE, Keep, KVStore
+from compression.kv_layout import BLOCK_SIZE
+from compression.kv_store import KVStore
 from compression.quant import dequantize, quantize
 from compression.scoring import POLICIES, LayerEntries, ScorePolicy
 from compression.tiers import plan_tiers

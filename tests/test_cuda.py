@@ -31,7 +31,8 @@ from app.engine import run_to_completion
 from app.settings import Settings
 from benchmarks.engine import decoding_engine, load_with_predictor
 from compression.attention import Segment
-from compression.kv_store import BLOCK_SIZE, KVStore
+from compression.kv_layout import BLOCK_SIZE
+from compression.kv_store import KVStore
 from compression.paged_attention import (
     FORMAT_CODES,
     KEY_FORMATS,

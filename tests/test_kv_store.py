@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from compression.arena import SPARE_PAGES, Arena
 from compression.attention import Segment
 from compression.block_pool import BlockPool, Codec
-from compression.kv_store import BLOCK_SIZE, Keep, KVBudgetExceeded, KVStore, ParkedKV
+from compression.block_tables import Keep, ParkedKV
+from compression.kv_layout import BLOCK_SIZE
+from compression.kv_store import KVBudgetExceeded, KVStore
 from compression.paged_attention import decode_attention, decode_attention_reference
 from compression.quant import random_rotation
 from tests.helpers import fill_store as fill
@@ -28,10 +30,10 @@ def check_references(store: KVStore, parked: list[ParkedKV] = ()) -> None:
     """Every block's reference count is the number of tables (running or parked) that hold it, and
     the account is the blocks in use and the parked caches' bookkeeping."""
     expected = {name: Counter() for name in store.pools}
-    for slot, pools in store._slot_pools.items():
+    for slot, pools in store.tables.pools.items():
         for kind, pool in enumerate(pools):
             for layer in range(store.num_layers):
-                held = store.tables[kind, layer, slot, : store.num_blocks[kind, layer, slot]]
+                held = store.tables.held(kind, layer, slot)
                 expected[pool.codec.name].update(held.tolist())
     for cache in parked:
         names = (cache.codec.name, cache.codec.values.name, store.key_only_pool.codec.name)
@@ -93,14 +95,14 @@ def test_compaction_keeps_chosen_entries_rewrites_only_what_moved_and_frees_byte
     store = make_store()
     fill(store, 1, 40)
     before = store.used_bytes
-    first_block = store.tables[0, 1, store._slots[1], 0]
+    first_block = store.tables.ids[0, 1, store.tables.slot_of[1], 0]
     keep = torch.tensor([*range(BLOCK_SIZE), 39])  # the first block stays in place
     freed = store.compact(1, {1: Keep(full=keep, key_only=torch.tensor([], dtype=torch.long))})
     assert freed > 0 and store.used_bytes == before - freed
     keys = store.view(1, 1).keys
     assert keys[0, :, 0].tolist() == [*map(float, range(BLOCK_SIZE)), 39.0]
     assert store.positions(1, 1).tolist() == [*range(BLOCK_SIZE), 39]
-    assert store.tables[0, 1, store._slots[1], 0] == first_block  # not copied
+    assert store.tables.ids[0, 1, store.tables.slot_of[1], 0] == first_block  # not copied
     assert store.seq_length(1, 0) == 40  # other layers untouched
     check_references(store)
 

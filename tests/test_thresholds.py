@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from app.engine import run_to_completion
 from compression.config import Thresholds, resolve
-from compression.kv_store import BLOCK_SIZE
+from compression.kv_layout import BLOCK_SIZE
 from compression.scoring import POLICIES, LayerEntries, ScorePolicy
 from compression.tiers import plan_tiers, threshold_bytes
 from tests.helpers import greedy, make_engine, tiers, tiny_model

@@ -24,7 +24,8 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from compression import kernels, triton_attention, triton_blocks  # noqa: E402
 from compression.arena import Arena  # noqa: E402
 from compression.block_pool import BlockPool, Codec  # noqa: E402
-from compression.kv_store import Keep, KVStore  # noqa: E402
+from compression.block_tables import Keep  # noqa: E402
+from compression.kv_store import KVStore  # noqa: E402
 from compression.paged_attention import DecodeBatch, decode_attention, decode_attention_reference  # noqa: E402
 from tests.helpers import (  # noqa: E402
     FORMATS,
