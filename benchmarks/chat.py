@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from app.engine import LLMEngine
-from app.sequence import SamplingParams
-from compression.config import CompressionParams
+from confkv.compress.config import CompressionParams
+from confkv.engine.llm_engine import LLMEngine
+from confkv.engine.sequence import SamplingParams
 
 
 @dataclass

@@ -25,14 +25,14 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.engine import EngineConfig, LLMEngine  # noqa: E402
-from app.sequence import SamplingParams  # noqa: E402
 from benchmarks.corpus import paragraphs  # noqa: E402
-from compression.config import CompressionConfig, resolve  # noqa: E402
-from compression.predictor.features import target, window_features  # noqa: E402
-from compression.predictor.model import PredictorConfig  # noqa: E402
-from compression.scoring import make_policy  # noqa: E402
-from models.loader import load_model  # noqa: E402
+from confkv.compress.config import CompressionConfig, resolve  # noqa: E402
+from confkv.compress.predictor.features import target, window_features  # noqa: E402
+from confkv.compress.predictor.model import PredictorConfig  # noqa: E402
+from confkv.compress.scoring import make_policy  # noqa: E402
+from confkv.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from confkv.engine.sequence import SamplingParams  # noqa: E402
+from confkv.models.loader import load_model  # noqa: E402
 
 SAMPLE_TENSORS = ("windows", "targets", "accumulated", "groups", "at_prefill", "held", "decayed_total")
 

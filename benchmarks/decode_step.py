@@ -46,7 +46,7 @@ from benchmarks.report import (  # noqa: E402
 if TYPE_CHECKING:  # not imported here: `measure` imports the engine from the code it measures
     import torch
 
-    from app.engine import LLMEngine
+    from confkv.engine.llm_engine import LLMEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 RATE_ONLY = {"policy_options": {"dynamic": {"thresholds_decide": False}}}
@@ -155,7 +155,7 @@ def python_share(engine: LLMEngine, device: torch.device, steps: int = 4) -> dic
     """Profile a few decode steps: the share of their wall time spent outside torch operators and
     the decode kernel, i.e. in Python, dispatch and bookkeeping."""
     events, wall = profiled(engine, steps, device)
-    # Operators' own time; the decode kernel is a named range (compression.paged_attention.KERNEL_EVENT)
+    # Operators' own time; the decode kernel is a named range (confkv.kv.paged_attention.KERNEL_EVENT)
     # whose own time is the kernel's.
     native = sum(e.self_cpu_time_total for e in events if e.key != "engine_step")
     kernel = sum(e.self_cpu_time_total for e in events if e.key == "conf_kv::decode_attention")
@@ -174,7 +174,7 @@ def compressor_share(engine: LLMEngine, device: torch.device, steps: int) -> dic
     """Profile `steps` decode steps (a whole number of compression intervals, so that compressing
     steps count as often as they come): the share of their wall time the compressor takes, the
     engine's `conf_kv::compress` range (on CUDA its wall time holds the device work it waits for)."""
-    from app.engine import COMPRESS_EVENT
+    from confkv.engine.llm_engine import COMPRESS_EVENT
 
     events, wall = profiled(engine, steps, device)
     compress = sum(e.cpu_time_total for e in events if e.key == COMPRESS_EVENT)

@@ -9,20 +9,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from app.engine import EngineConfig, LLMEngine
-from app.sequence import SamplingParams
 from benchmarks.corpus import text_of_tokens
-from compression.config import CompressionConfig, resolve
-from compression.kv_layout import BLOCK_SIZE
-from compression.predictor.online import load_future_value, predictor_path
-from models.loader import KVShape, load_model
+from confkv.compress.config import CompressionConfig, resolve
+from confkv.compress.predictor.online import load_future_value, predictor_path
+from confkv.engine.llm_engine import EngineConfig, LLMEngine
+from confkv.engine.sequence import SamplingParams
+from confkv.kv.kv_layout import BLOCK_SIZE
+from confkv.models.loader import KVShape, load_model
 
 if TYPE_CHECKING:  # names for the annotations only: decode_step.py runs this on older revisions' code too
     from tqdm import tqdm
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from app.engine import StepStats
-    from compression.predictor.online import FutureValue
+    from confkv.compress.predictor.online import FutureValue
+    from confkv.engine.llm_engine import StepStats
 
 CPU = torch.device("cpu")
 KV_BUDGET = 2**34  # bytes of KV an engine here may hold at least: more than a setup needs, so nothing waits

@@ -68,7 +68,7 @@ class Plan:
 
     device: str
     dtype: str
-    architecture: str  # the figures' model, with random weights (models.random_weights)
+    architecture: str  # the figures' model, with random weights (confkv.models.random_weights)
     seqs: int  # decode step: sequences decoding together
     prompt_tokens: int  # decode step and serving: prompt length
     steps: int  # decode step: tokens each sequence decodes, timed (2 compression intervals)
@@ -146,7 +146,7 @@ def main() -> None:
 
 def plan_parts(plan: Plan, results: Path, junit: Path, dry_run: bool) -> list[Part]:
     """The parts' commands for `plan`, their results under `results`."""
-    from models.random_weights import random_model_path
+    from confkv.models.random_weights import random_model_path
 
     model = random_model_path(plan.architecture)
     placement = ["--device", plan.device, "--dtype", plan.dtype, "--model-path", str(model)]

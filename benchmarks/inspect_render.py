@@ -4,7 +4,7 @@ A synthetic record (4096 tokens x 30 layers, ~123k cells, 4 compressions, every 
 given to the page through `window.inspector.show`; the page reports the time of its token-map render
 (`renderMs`) and of the whole show (`loadMs`: checks, layout, map and bars). Then the slider is
 moved over every compression and each of those renders is timed too. The page is read from
-web/inspect straight from disk (no server, no model).
+confkv/server/web/inspect straight from disk (no server, no model).
 
     python benchmarks/inspect_render.py                 # 4096 tokens x 30 layers, 5 repeats
     python benchmarks/inspect_render.py --tokens 8192   # a longer one
@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.report import RESULTS, Provenance, save_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGE_DIR = ROOT / "web" / "inspect"
+PAGE_DIR = ROOT / "confkv" / "server" / "web" / "inspect"
 ORIGIN = "http://inspector.invalid"  # never resolved: every request to it is answered from PAGE_DIR
 CHROMIUM = "/usr/bin/chromium"
-MEASURES = ("web/inspect",)
+MEASURES = ("confkv/server/web/inspect",)
 FULL, KEY_ONLY, DROPPED = 2, 1, 0
 _TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
 

@@ -10,7 +10,7 @@ exact, so the figure is the keys' share of the error.
 Formats, at the bits per element they cost (parameters included):
 - per-token int8 and int4, as the KV store kept them before rotation (one scale, and a minimum below
   8 bits, per head vector);
-- the same turned by the store's key rotation first (`compression.quant.random_rotation`), as int4 keys
+- the same turned by the store's key rotation first (`confkv.kv.quant.random_rotation`), as int4 keys
   are stored now;
 - KIVI's keys, per channel over groups of 32 tokens (`benchmarks/kivi.py`), 4 and 2 bits.
 
@@ -37,9 +37,9 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import kivi  # noqa: E402
 from benchmarks.corpus import text_of_tokens  # noqa: E402
 from benchmarks.report import RESULTS, save_report  # noqa: E402
-from compression.block_pool import Codec  # noqa: E402
-from compression.kv_layout import BLOCK_SIZE  # noqa: E402
-from compression.quant import (  # noqa: E402
+from confkv.kv.block_pool import Codec  # noqa: E402
+from confkv.kv.kv_layout import BLOCK_SIZE  # noqa: E402
+from confkv.kv.quant import (  # noqa: E402
     bytes_per_vector,
     dequantize,
     dequantize_channels,
@@ -47,7 +47,7 @@ from compression.quant import (  # noqa: E402
     quantize_channels,
     random_rotation,
 )
-from models.default_model import default_model_path  # noqa: E402
+from confkv.models.default_model import default_model_path  # noqa: E402
 
 CAPTURE = "capture_queries_and_keys"
 Format = Callable[[torch.Tensor], torch.Tensor]  # keys [kv_heads, n, D] -> as stored, dequantised

@@ -35,13 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.engine import load_with_predictor  # noqa: E402
 from benchmarks.report import RESULTS, Provenance, save_report  # noqa: E402
 from benchmarks.serving import measure_overhead, overhead_table  # noqa: E402
-from compression.config import CompressionConfig  # noqa: E402
-from compression.predictor.calibrate import outcomes, relative_values  # noqa: E402
-from compression.predictor.calibration import reliability  # noqa: E402
-from compression.predictor.features import FEATURES, unscaled_attention  # noqa: E402
-from compression.predictor.online import load_retention, predictor_path  # noqa: E402
-from compression.predictor.train import load_traces  # noqa: E402
-from compression.scoring import LayerEntries, make_policy  # noqa: E402
+from confkv.compress.config import CompressionConfig  # noqa: E402
+from confkv.compress.predictor.calibrate import outcomes, relative_values  # noqa: E402
+from confkv.compress.predictor.calibration import reliability  # noqa: E402
+from confkv.compress.predictor.features import FEATURES, unscaled_attention  # noqa: E402
+from confkv.compress.predictor.online import load_retention, predictor_path  # noqa: E402
+from confkv.compress.predictor.train import load_traces  # noqa: E402
+from confkv.compress.scoring import LayerEntries, make_policy  # noqa: E402
 
 LATEST = -1  # the window's newest observation
 

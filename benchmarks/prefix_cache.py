@@ -22,12 +22,12 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from benchmarks.chat import ask  # noqa: E402
 from benchmarks.corpus import paragraphs  # noqa: E402
 from benchmarks.report import RESULTS, commit_of, pyplot, save_report  # noqa: E402
-from compression.config import CompressionConfig, resolve  # noqa: E402
-from models.loader import load_model  # noqa: E402
+from confkv.compress.config import CompressionConfig, resolve  # noqa: E402
+from confkv.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from confkv.models.loader import load_model  # noqa: E402
 
 FOLLOW_UPS = ("What is the main point?", "Give one example from the text.", "Summarise it in one sentence.")
 

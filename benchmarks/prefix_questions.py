@@ -32,14 +32,14 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.engine import EngineConfig, LLMEngine  # noqa: E402
 from benchmarks.chat import ask  # noqa: E402
 from benchmarks.report import RESULTS, Provenance, save_report  # noqa: E402
 from benchmarks.tasks import NeedleCase, needle_cases  # noqa: E402
-from compression.config import CompressionConfig, resolve  # noqa: E402
-from compression.predictor.online import load_future_value, predictor_path  # noqa: E402
-from models.default_model import default_model_path  # noqa: E402
-from models.loader import load_model  # noqa: E402
+from confkv.compress.config import CompressionConfig, resolve  # noqa: E402
+from confkv.compress.predictor.online import load_future_value, predictor_path  # noqa: E402
+from confkv.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from confkv.models.default_model import default_model_path  # noqa: E402
+from confkv.models.loader import load_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"

@@ -48,17 +48,17 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from app.engine import EngineConfig, LLMEngine  # noqa: E402
-from app.sequence import SamplingParams  # noqa: E402
 from benchmarks import kivi  # noqa: E402
 from benchmarks.corpus import text_of_tokens  # noqa: E402
 from benchmarks.engine import load_with_predictor  # noqa: E402
 from benchmarks.report import RESULTS, Provenance, pyplot, save_report  # noqa: E402
 from benchmarks.tasks import fidelity_cases, needle_cases  # noqa: E402
-from compression.config import CompressionConfig, resolve  # noqa: E402
-from compression.library import DynamicKVCompressor, cache_keyword  # noqa: E402
-from compression.predictor.online import FutureValue  # noqa: E402
-from models.default_model import default_model_path  # noqa: E402
+from confkv.compress.config import CompressionConfig, resolve  # noqa: E402
+from confkv.compress.library import DynamicKVCompressor, cache_keyword  # noqa: E402
+from confkv.compress.predictor.online import FutureValue  # noqa: E402
+from confkv.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from confkv.engine.sequence import SamplingParams  # noqa: E402
+from confkv.models.default_model import default_model_path  # noqa: E402
 
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 PEERS_RUNNER = Path(__file__).resolve().parent / "peers" / "kvpress_runner.py"

@@ -1,6 +1,6 @@
 """Engine replicas on Ray Serve: our router against Ray's default, on multi-turn conversations.
 
-A local Ray cluster runs the application of `cluster.app`; conversations (a document, then
+A local Ray cluster runs the application of `confkv.cluster.app`; conversations (a document, then
 questions about it, each turn carrying the whole chat so far) go through the ingress as streaming
 OpenAI chat requests. Side by side in one run: 1 replica, 2 replicas with Ray Serve's default
 power-of-two router, 2 replicas with ours (longest cached prefix, then most free KV memory).
@@ -31,9 +31,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.settings import Settings  # noqa: E402
 from benchmarks.corpus import paragraphs  # noqa: E402
 from benchmarks.report import RESULTS, Provenance, save_report  # noqa: E402
+from confkv.server.settings import Settings  # noqa: E402
 from load_tests.monitoring import free_port  # noqa: E402
 
 QUESTIONS = (
@@ -43,7 +43,6 @@ QUESTIONS = (
     "What would a reader do with this?",
     "Which word best describes its tone?",
 )
-CODE = ("app", "compression", "models", "config", "cluster")
 
 
 @dataclass
@@ -167,7 +166,7 @@ def deploy(url: str, settings: Settings, timeout_s: float = 300.0) -> None:
     """Run the application (replacing any running one) and wait until every replica reports metrics."""
     from ray import serve
 
-    from cluster.app import APP_NAME, build
+    from confkv.cluster.app import APP_NAME, build
 
     serve.run(build(settings), name=APP_NAME, route_prefix="/")
     deadline = time.monotonic() + timeout_s
@@ -219,7 +218,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.conversations = 8
-    provenance = Provenance.capture(CODE)
+    provenance = Provenance.capture()
     convs = conversations(args.conversations, args.turns, args.words)
     results = {}
     with local_cluster(free_port()) as url:

@@ -32,7 +32,7 @@ README = ROOT / "README.md"
 DOCUMENTS = (README, *sorted((ROOT / "docs").glob("*.md")))  # the documents whose figures are generated
 # What the figures of a benchmark depend on: the server's code, its models and its configuration
 # (the benchmark scripts are the instrument, not what is measured).
-SERVER_CODE = ("app", "compression", "models", "config")
+SERVER_CODE = ("confkv",)
 SOURCE_SNAPSHOT_ENV = "CONFKV_SOURCE"
 _BLOCK = re.compile(r"(<!-- results (?P<name>[\w-]+)(?:: (?P<sections>[^>]+?))? -->\n).*?(<!-- /results -->)", re.S)
 _SECTION = re.compile(r"^(?=#### )", re.M)

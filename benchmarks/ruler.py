@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import RESULTS, add_placement_options, pyplot, save_report  # noqa: E402
 from benchmarks.serving_client import model_folder, placement, server_flags  # noqa: E402
-from compression.config import DEFAULT_FILE  # noqa: E402
+from confkv.compress.config import DEFAULT_FILE  # noqa: E402
 from load_tests.run import served  # noqa: E402
 
 RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe")

@@ -25,13 +25,13 @@ from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.engine import EngineConfig, LLMEngine  # noqa: E402
-from app.sequence import SamplingParams  # noqa: E402
 from benchmarks.corpus import text_of_tokens  # noqa: E402
 from benchmarks.engine import CPU, advance, decoding_engine, is_pure_decode, load_with_predictor  # noqa: E402
 from benchmarks.report import RESULTS, save_report  # noqa: E402
-from compression.predictor.online import FutureValue  # noqa: E402
-from models.loader import load_model  # noqa: E402
+from confkv.compress.predictor.online import FutureValue  # noqa: E402
+from confkv.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from confkv.engine.sequence import SamplingParams  # noqa: E402
+from confkv.models.loader import load_model  # noqa: E402
 
 
 @dataclass

@@ -36,8 +36,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import RESULTS, add_placement_options, commit_of, pyplot, save_report  # noqa: E402
+from confkv.models.loader import KVShape  # noqa: E402
 from load_tests.run import served  # noqa: E402
-from models.loader import KVShape  # noqa: E402
 
 GENERATE_BATCH = "transformers generate_batch"
 
@@ -202,7 +202,7 @@ def run_generate_batch(bodies: list[dict], kv_bytes: float, args: argparse.Names
     compression."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    from models.loader import load_model
+    from confkv.models.loader import load_model
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model_path, torch.device(args.device), args.dtype and getattr(torch, args.dtype))
@@ -252,7 +252,7 @@ def token_bytes(config, dtype: torch.dtype = torch.float32) -> int:
 
 def model_folder(model_path: Path | None) -> Path:
     """The model the server is started with: `model_path`, or the embedded one."""
-    from models.default_model import default_model_path
+    from confkv.models.default_model import default_model_path
 
     return model_path or default_model_path()
 

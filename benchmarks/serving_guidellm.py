@@ -30,7 +30,7 @@ from benchmarks.report import RESULTS, add_placement_options, pyplot, save_repor
 from benchmarks.serving_client import model_folder, placement, served_dtype, server_flags, token_bytes  # noqa: E402
 from load_tests.run import served  # noqa: E402
 
-# guidellm sends no extension field: each mode is the server's default (config/compression.json: dynamic, 0.6).
+# guidellm sends no extension field: each mode is the server's default (confkv/config/compression.json: dynamic, 0.6).
 MODES = {"compression off": ["--compression-enabled=false"], "dynamic 0.6": []}
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 

@@ -113,8 +113,8 @@ def build(out: Path) -> dict:
 
     sys.path.insert(0, str(ROOT))
     from benchmarks.report import snapshot_source
-    from models.default_model import default_model_path
-    from models.random_weights import ARCHITECTURES, write_random_model
+    from confkv.models.default_model import default_model_path
+    from confkv.models.random_weights import ARCHITECTURES, write_random_model
 
     packages, accepted = needed_packages()
     # For each package the machine has that a bundled one requires: this environment's version, to
@@ -163,9 +163,9 @@ def write_random_predictor(folder: Path) -> None:
     trained one."""
     from transformers import AutoConfig
 
-    from compression.predictor.model import load_predictor, model_fingerprint, random_predictor, save_predictor
-    from compression.predictor.online import PREDICTOR_FILE, predictor_path
-    from models.default_model import default_model_path
+    from confkv.compress.predictor.model import load_predictor, model_fingerprint, random_predictor, save_predictor
+    from confkv.compress.predictor.online import PREDICTOR_FILE, predictor_path
+    from confkv.models.default_model import default_model_path
 
     shipped = load_predictor(predictor_path(None), model_fingerprint(AutoConfig.from_pretrained(default_model_path())))
     fingerprint = model_fingerprint(AutoConfig.from_pretrained(folder))

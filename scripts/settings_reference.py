@@ -14,8 +14,8 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from app.settings import ClusterSettings, Settings
-from compression.config import CompressionConfig, Thresholds
+from confkv.compress.config import CompressionConfig, Thresholds
+from confkv.server.settings import ClusterSettings, Settings
 
 DOCUMENT = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 _BLOCK = re.compile(r"(<!-- settings (?P<name>\w+) -->\n).*?(<!-- /settings -->)", re.S)
@@ -36,7 +36,7 @@ def server_table(model: type[BaseModel] = Settings, prefix: str = "") -> str:
 
 
 def policy_file_table(model: type[BaseModel] = CompressionConfig) -> str:
-    """One row per key of the compression config file (`config/compression.json`)."""
+    """One row per key of the compression config file (`confkv/config/compression.json`)."""
     rows = ["| key | default | values | meaning |", "| --- | --- | --- | --- |"]
     for name, field in model.model_fields.items():
         key = field.validation_alias.choices[-1] if field.validation_alias else name  # the seed's name first

@@ -13,8 +13,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from models.default_model import default_model_path  # noqa: E402
-from models.loader import load_model  # noqa: E402
+from confkv.models.default_model import default_model_path  # noqa: E402
+from confkv.models.loader import load_model  # noqa: E402
 from tests.helpers import LiveServer, tiny_model  # noqa: E402
 
 torch.set_num_threads(2)
@@ -72,7 +72,7 @@ TIERS = {
     ),
     "ops": (
         "test_cluster", "test_cluster_live", "test_cluster_serve", "test_deploy", "test_gpu_check",
-        "test_inspect_page", "test_load", "test_prometheus",
+        "test_inspect_page", "test_load", "test_prometheus", "test_wheel",
     ),
     "gpu": ("test_cuda",),
 }  # fmt: skip

@@ -14,15 +14,15 @@ import torch
 from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from app.engine import EngineConfig, LLMEngine
-from app.outputs import RequestOutput
-from app.sequence import SamplingParams
-from compression.arena import Arena
-from compression.attention import Segment
-from compression.block_pool import BlockPool, Codec
-from compression.config import CompressionConfig
-from compression.kv_store import KVStore
-from compression.paged_attention import (
+from confkv.compress.config import CompressionConfig
+from confkv.engine.llm_engine import EngineConfig, LLMEngine
+from confkv.engine.outputs import RequestOutput
+from confkv.engine.sequence import SamplingParams
+from confkv.kv.arena import Arena
+from confkv.kv.attention import Segment
+from confkv.kv.block_pool import BlockPool, Codec
+from confkv.kv.kv_store import KVStore
+from confkv.kv.paged_attention import (
     FORMAT_CODES,
     KEY_FORMATS,
     KEY_ONLY_FORMATS,

@@ -9,8 +9,8 @@ import time
 import httpx
 from fastapi.testclient import TestClient
 
-from app.api import create_app
-from app.settings import Settings
+from confkv.server.api import create_app
+from confkv.server.settings import Settings
 from tests.helpers import LiveServer
 
 

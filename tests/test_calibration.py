@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compression.predictor.calibration import (
+from confkv.compress.predictor.calibration import (
     Calibration,
     calibration_path,
     fit,
@@ -14,9 +14,9 @@ from compression.predictor.calibration import (
     reliability,
     save_calibrations,
 )
-from compression.predictor.model import model_fingerprint
-from compression.predictor.online import load_retention, predictor_path
-from compression.scoring import LayerEntries, make_policy
+from confkv.compress.predictor.model import model_fingerprint
+from confkv.compress.predictor.online import load_retention, predictor_path
+from confkv.compress.scoring import LayerEntries, make_policy
 
 
 def synthetic(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,10 +130,10 @@ def test_the_default_model_ships_a_calibration_for_both_sources(default_model):
 def test_dynamics_thresholds_decide_its_memory_on_the_default_model(default_model, tokenizer):
     """With the shipped predictor and calibration, as shipped its thresholds decide: stricter thresholds
     hold fewer bytes, all under the ceiling; turned off, the rate alone decides."""
-    from app.engine import EngineConfig, LLMEngine, run_to_completion
     from benchmarks.corpus import paragraphs
-    from compression.config import CompressionConfig, resolve
-    from compression.predictor.online import load_future_value
+    from confkv.compress.config import CompressionConfig, resolve
+    from confkv.compress.predictor.online import load_future_value
+    from confkv.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
     from tests.helpers import greedy
 
     config = CompressionConfig.load()

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from models.default_model import FOLDER_NAME
+from confkv.models.default_model import FOLDER_NAME
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.slow

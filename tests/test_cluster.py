@@ -17,11 +17,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from app.settings import load_settings
-from cluster.autoscaling import KV_USAGE, KVPressurePolicy
-from cluster.ingress import routing_text
-from cluster.metrics import REPLICA_LABEL, exposition, labelled
-from cluster.router import ReplicaLoad, free_share, rank
+from confkv.cluster.autoscaling import KV_USAGE, KVPressurePolicy
+from confkv.cluster.ingress import routing_text
+from confkv.cluster.metrics import REPLICA_LABEL, exposition, labelled
+from confkv.cluster.router import ReplicaLoad, free_share, rank
+from confkv.server.settings import load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -129,7 +129,7 @@ def test_cluster_settings_from_flags_env_config_file_and_bounds(monkeypatch, tmp
     config.write_text("cluster:\n  replicas: 4\n  target_kv_usage: 0.5\n")
     from_file = load_settings(["--config", str(config)]).cluster
     assert (from_file.replicas, from_file.target_kv_usage) == (4, 0.5)
-    settings = load_settings(["--ray", "--cluster.replicas", "3", "--cluster.router", "power_of_two"])
+    settings = load_settings(["--ray", "--cluster.replicas", "3", "--confkv.cluster.router", "power_of_two"])
     assert settings.ray and settings.cluster.replicas == 3 and settings.cluster.router == "power_of_two"
     assert not load_settings([]).ray
     monkeypatch.setenv("CONFKV_CLUSTER__IMBALANCE_THRESHOLD", "0.3")
@@ -148,7 +148,7 @@ def test_rayservice_manifest_passes_rays_config_loader_and_builds_our_applicatio
     assert service["apiVersion"] == "ray.io/v1" and service["kind"] == "RayService"
     schema = ServeDeploySchema.model_validate(serve_config)  # what `serve deploy` and KubeRay's Serve run
     (application,) = schema.applications
-    assert application.import_path == "cluster.app:app_builder"
+    assert application.import_path == "confkv.cluster.app:app_builder"
     cluster = service["spec"]["rayClusterConfig"]
     assert cluster["rayVersion"] == _pinned_ray()
     groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
@@ -158,16 +158,16 @@ def test_rayservice_manifest_passes_rays_config_loader_and_builds_our_applicatio
 
     from ray.serve._private.build_app import build_app
 
-    from cluster.app import app_builder
+    from confkv.cluster.app import app_builder
 
     built = {d.name: d for d in build_app(app_builder(application.args), name=application.name).deployments}
     assert set(built) == {"Ingress", "EngineReplica", "MetricsHub"}
     engine = built["EngineReplica"]._deployment_config
-    assert engine.request_router_config.request_router_class == "cluster.router:PrefixKVRouter"
+    assert engine.request_router_config.request_router_class == "confkv.cluster.router:PrefixKVRouter"
     scaling = engine.autoscaling_config
     args = application.args["cluster"]
     assert (scaling.min_replicas, scaling.max_replicas) == (args["replicas"], args["max_replicas"])
-    assert scaling.policy.policy_function == "cluster.autoscaling:KVPressurePolicy"
+    assert scaling.policy.policy_function == "confkv.cluster.autoscaling:KVPressurePolicy"
 
 
 def _pinned_ray() -> str:
@@ -176,8 +176,8 @@ def _pinned_ray() -> str:
 
 
 def test_a_replica_runs_no_more_torch_threads_than_the_cpus_it_reserves():
-    from app.settings import ClusterSettings, Settings
-    from cluster.replica import replica_threads
+    from confkv.cluster.replica import replica_threads
+    from confkv.server.settings import ClusterSettings, Settings
 
     def threads(torch_threads, cpus):
         return replica_threads(Settings(torch_threads=torch_threads, cluster=ClusterSettings(replica_cpus=cpus)))

@@ -23,7 +23,7 @@ from benchmarks.ray_serving import (
     run_conversations,
     summary,
 )
-from cluster.replica import REPLICA_HEADER
+from confkv.cluster.replica import REPLICA_HEADER
 from load_tests import run
 from load_tests.monitoring import free_port
 

@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 
-from cluster.replica import REPLICA_HEADER
+from confkv.cluster.replica import REPLICA_HEADER
 from tests.helpers import LiveServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]

@@ -11,17 +11,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.engine import run_to_completion
 from benchmarks.inspect_render import tiers_by_position
-from compression.block_pool import Codec
-from compression.block_tables import Keep
-from compression.config import CompressionConfig, resolve
-from compression.history import FULL, KEY_ONLY
-from compression.kv_layout import BLOCK_SIZE
-from compression.kv_store import KVStore
-from compression.quant import dequantize, quantize
-from compression.scoring import POLICIES, LayerEntries, ScorePolicy
-from compression.tiers import plan_tiers
+from confkv.compress.config import CompressionConfig, resolve
+from confkv.compress.history import FULL, KEY_ONLY
+from confkv.compress.scoring import POLICIES, LayerEntries, ScorePolicy
+from confkv.compress.tiers import plan_tiers
+from confkv.engine.llm_engine import run_to_completion
+from confkv.kv.block_pool import Codec
+from confkv.kv.block_tables import Keep
+from confkv.kv.kv_layout import BLOCK_SIZE
+from confkv.kv.kv_store import KVStore
+from confkv.kv.quant import dequantize, quantize
 from tests.helpers import fill_store, greedy, make_engine, tiers, tiny_model, tokens_of
 
 EVICTING = list(POLICIES)
@@ -336,7 +336,7 @@ def test_config_file_matches_model_defaults():
 
 
 def test_dynamic_budget_compresses_harder_only_while_confident():
-    from compression.compressor import Compressor
+    from confkv.compress.compressor import Compressor
 
     engine = Compressor(KVStore(num_layers=1, num_kv_heads=1, head_dim=4, max_bytes=10**6))
     config = CompressionConfig()

@@ -26,24 +26,24 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from app.api import build_engine
-from app.engine import run_to_completion
-from app.settings import Settings
 from benchmarks.engine import decoding_engine, load_with_predictor
-from compression.attention import Segment
-from compression.kv_layout import BLOCK_SIZE
-from compression.kv_store import KVStore
-from compression.paged_attention import (
+from confkv.compress.predictor.online import predictor_path
+from confkv.engine.llm_engine import run_to_completion
+from confkv.kv.attention import Segment
+from confkv.kv.kv_layout import BLOCK_SIZE
+from confkv.kv.kv_store import KVStore
+from confkv.kv.paged_attention import (
     FORMAT_CODES,
     KEY_FORMATS,
     DecodeBatch,
     decode_attention,
     decode_attention_reference,
 )
-from compression.predictor.online import predictor_path
-from models.default_model import MODEL_NAME
-from models.loader import KVShape
-from models.random_weights import random_model_path
+from confkv.models.default_model import MODEL_NAME
+from confkv.models.loader import KVShape
+from confkv.models.random_weights import random_model_path
+from confkv.server.api import build_engine
+from confkv.server.settings import Settings
 from tests.helpers import ROOT, make_pool, tokens_of
 
 pytestmark = [

@@ -18,9 +18,9 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
-from app.metrics import Metrics
-from app.settings import Settings
-from models.default_model import PACKAGE_PIN
+from confkv.models.default_model import PACKAGE_PIN
+from confkv.server.metrics import Metrics
+from confkv.server.settings import Settings
 from tests.helpers import ROOT, make_engine, tiny_model
 
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "and", "or", "unless", "le", "instance", "job"}
@@ -94,7 +94,7 @@ def test_dockerfile_installs_what_the_project_pins_and_converts_the_model():
     pins = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     torch_pin = next(p for p in pins if p.startswith("torch=="))
     assert torch_pin in text and PACKAGE_PIN in text
-    assert "python -m models.default_model" in text
+    assert "python -m confkv.models.default_model" in text
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
     for op, args in dockerfile():
         if op == "COPY" and "--from" not in args:

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from app.detokenizer import IncrementalDetokenizer
+from confkv.engine.detokenizer import IncrementalDetokenizer
 
 
 def feed(tokenizer, text: str, stop=()):

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from app.engine import run_to_completion
-from app.sequence import SamplingParams
+from confkv.engine.llm_engine import run_to_completion
+from confkv.engine.sequence import SamplingParams
 from tests.helpers import greedy, make_engine, text_of, tiny_model, tokens_of
 
 

@@ -127,7 +127,9 @@ def test_results_name_their_commit_in_a_copy_without_git(tmp_path, monkeypatch):
     which commit it is and whether the measured code still matches it."""
     archive = tmp_path / "tree.tar"
     subprocess.run(
-        ["git", "archive", "--format=tar", "-o", str(archive), "HEAD", "app", "config"], cwd=ROOT, check=True
+        ["git", "archive", "--format=tar", "-o", str(archive), "HEAD", "confkv/server", "confkv/config"],
+        cwd=ROOT,
+        check=True,
     )
     copy = tmp_path / "copy"
     with tarfile.open(archive) as tar:
@@ -135,11 +137,11 @@ def test_results_name_their_commit_in_a_copy_without_git(tmp_path, monkeypatch):
     snapshot = tmp_path / "source.json"
     snapshot.write_text(json.dumps(snapshot_source()))
     monkeypatch.setenv(SOURCE_SNAPSHOT_ENV, str(snapshot))
-    committed = code_digest(("app", "config"), rev="HEAD")
-    assert code_digest(("app", "config"), root=copy) == committed
-    assert code_digest(("app", "config"), rev="HEAD", root=copy) == committed
-    (copy / "app" / "api.py").write_text("# changed\n")
-    assert code_digest(("app", "config"), root=copy) != committed
+    committed = code_digest(("confkv/server", "confkv/config"), rev="HEAD")
+    assert code_digest(("confkv/server", "confkv/config"), root=copy) == committed
+    assert code_digest(("confkv/server", "confkv/config"), rev="HEAD", root=copy) == committed
+    (copy / "confkv" / "server" / "api.py").write_text("# changed\n")
+    assert code_digest(("confkv/server", "confkv/config"), root=copy) != committed
 
 
 def test_the_check_refuses_a_machine_without_cuda_saying_what_to_do():

@@ -11,13 +11,13 @@ from fastapi.testclient import TestClient
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.api import create_app
-from app.engine import run_to_completion
-from app.inspection import InspectionRecord, InspectionStore
-from app.settings import Settings
 from benchmarks.inspect_render import tier_counts, tiers_by_position
-from compression.config import resolve
-from compression.history import FULL, KEY_ONLY, TierHistory, _runs
+from confkv.compress.config import resolve
+from confkv.compress.history import FULL, KEY_ONLY, TierHistory, _runs
+from confkv.engine.inspection import InspectionRecord, InspectionStore
+from confkv.engine.llm_engine import run_to_completion
+from confkv.server.api import create_app
+from confkv.server.settings import Settings
 from tests.helpers import greedy, make_engine, tiny_model
 
 

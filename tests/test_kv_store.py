@@ -10,14 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compression.arena import SPARE_PAGES, Arena
-from compression.attention import Segment
-from compression.block_pool import BlockPool, Codec
-from compression.block_tables import Keep, ParkedKV
-from compression.kv_layout import BLOCK_SIZE
-from compression.kv_store import KVBudgetExceeded, KVStore
-from compression.paged_attention import decode_attention, decode_attention_reference
-from compression.quant import random_rotation
+from confkv.kv.arena import SPARE_PAGES, Arena
+from confkv.kv.attention import Segment
+from confkv.kv.block_pool import BlockPool, Codec
+from confkv.kv.block_tables import Keep, ParkedKV
+from confkv.kv.kv_layout import BLOCK_SIZE
+from confkv.kv.kv_store import KVBudgetExceeded, KVStore
+from confkv.kv.paged_attention import decode_attention, decode_attention_reference
+from confkv.kv.quant import random_rotation
 from tests.helpers import fill_store as fill
 
 

@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.engine import run_to_completion
-from compression.config import resolve
-from compression.scoring import POLICIES, LayerEntries, ScorePolicy
-from compression.tiers import ADAPTIVE_FLOOR, adaptive_weights, pyramid_weights
+from confkv.compress.config import resolve
+from confkv.compress.scoring import POLICIES, LayerEntries, ScorePolicy
+from confkv.compress.tiers import ADAPTIVE_FLOOR, adaptive_weights, pyramid_weights
+from confkv.engine.llm_engine import run_to_completion
 from tests.helpers import greedy, make_engine, tiny_model, tokens_of
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from compression import DynamicKVCompressor
+from confkv import DynamicKVCompressor
 from tests.helpers import tiny_model
 
 

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from app.engine import run_to_completion
-from compression.config import InvalidCompression, resolve
-from compression.scoring import make_policy
+from confkv.compress.config import InvalidCompression, resolve
+from confkv.compress.scoring import make_policy
+from confkv.engine.llm_engine import run_to_completion
 from tests.helpers import greedy, make_engine, tiny_model, tokens_of
 
 SETTINGS = {"sink_tokens": 4, "recent_window": 16, "compression_interval": 8, "observation_window": 16}

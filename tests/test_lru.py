@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compression.lru import LRUK
+from confkv.kv.lru import LRUK
 
 
 class ReferenceLRUK:

@@ -8,7 +8,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from app.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, JSONBodyMiddleware
+from confkv.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, JSONBodyMiddleware
 
 
 async def echo(request: Request) -> JSONResponse:

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from models.default_model import FOLDER_NAME
+from confkv.models.default_model import FOLDER_NAME
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from compression import kernels
-from compression.paged_attention import (
+from confkv.kv import kernels
+from confkv.kv.paged_attention import (
     DecodeBatch,
     DecodeResult,
     decode_attention,

@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.engine import run_to_completion
-from compression import DynamicKVCompressor
-from compression.config import CompressionConfig, CompressionOptions, InvalidCompression, resolve
-from compression.scoring import POLICIES, LayerEntries, ScorePolicy, make_policy
+from confkv import DynamicKVCompressor
+from confkv.compress.config import CompressionConfig, CompressionOptions, InvalidCompression, resolve
+from confkv.compress.scoring import POLICIES, LayerEntries, ScorePolicy, make_policy
+from confkv.engine.llm_engine import run_to_completion
 from tests.helpers import greedy, make_engine, tiny_model
 
 SETTINGS = {"sink_tokens": 4, "recent_window": 16, "compression_interval": 8, "score_interval": 2}
@@ -170,8 +170,8 @@ def test_the_library_refuses_options_it_does_not_know():
 
 
 def test_prediction_window_is_the_predictors_or_refused():
-    from compression.predictor import PredictorConfig, ValuePredictor
-    from compression.predictor.online import FutureValue
+    from confkv.compress.predictor import PredictorConfig, ValuePredictor
+    from confkv.compress.predictor.online import FutureValue
 
     assert resolve(CompressionConfig(), {"prediction_window": 128}, True, False).prediction_window == 128
     future_value = FutureValue(ValuePredictor(PredictorConfig.load(prediction_window=32)), 4)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compression.predictor import PredictorConfig, ValuePredictor, load_predictor, model_fingerprint, save_predictor
-from compression.predictor.train import train
+from confkv.compress.predictor import PredictorConfig, ValuePredictor, load_predictor, model_fingerprint, save_predictor
+from confkv.compress.predictor.train import train
 from tests.helpers import tiny_model
 
 SMALL = {"hidden_size": 16, "num_layers": 1, "learning_rate": 1e-2, "max_epochs": 12, "batch_size": 64}
@@ -61,10 +61,10 @@ def test_saved_weights_load_with_identical_predictions_and_refuse_another_model(
 def test_traces_follow_the_serving_timeline_and_targets_sum_the_future(tokenizer):
     import random
 
-    from app.engine import EngineConfig, LLMEngine
     from benchmarks.collect_traces import record, samples
-    from compression.config import CompressionConfig
-    from compression.predictor.features import scaled_attention, target
+    from confkv.compress.config import CompressionConfig
+    from confkv.compress.predictor.features import scaled_attention, target
+    from confkv.engine.llm_engine import EngineConfig, LLMEngine
 
     model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
     engine = LLMEngine(
@@ -123,9 +123,9 @@ class NewestFirst(torch.nn.Module):
 
 
 def test_the_dynamic_policy_tiers_by_the_prediction_batched_over_layers_and_sequences(tokenizer):
-    from app.engine import EngineConfig, LLMEngine, run_to_completion
-    from compression.config import CompressionConfig, resolve
-    from compression.predictor.online import FutureValue
+    from confkv.compress.config import CompressionConfig, resolve
+    from confkv.compress.predictor.online import FutureValue
+    from confkv.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
     from tests.helpers import greedy
 
     model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
@@ -164,7 +164,7 @@ def test_the_dynamic_policy_tiers_by_the_prediction_batched_over_layers_and_sequ
 
 
 def test_without_weights_the_server_says_it_scores_by_attention_only(tmp_path, caplog, tokenizer):
-    from compression.predictor.online import load_future_value
+    from confkv.compress.predictor.online import load_future_value
 
     llama = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
     with caplog.at_level("WARNING"):
@@ -174,11 +174,11 @@ def test_without_weights_the_server_says_it_scores_by_attention_only(tmp_path, c
 
 @pytest.mark.parametrize(("min_attention", "logged"), [(0.0, "every drop"), (2.0, "none")])
 def test_dropped_entries_that_draw_attention_are_logged_for_training(tokenizer, tmp_path, min_attention, logged):
-    from app.engine import EngineConfig, LLMEngine, run_to_completion
-    from compression.config import CompressionConfig, resolve
-    from compression.predictor.misses import MissLog
-    from compression.predictor.online import FutureValue
-    from compression.predictor.train import load_error_samples
+    from confkv.compress.config import CompressionConfig, resolve
+    from confkv.compress.predictor.misses import MissLog
+    from confkv.compress.predictor.online import FutureValue
+    from confkv.compress.predictor.train import load_error_samples
+    from confkv.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
     from tests.helpers import greedy
 
     model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
@@ -213,9 +213,9 @@ def test_dropped_entries_that_draw_attention_are_logged_for_training(tokenizer, 
 
 
 def test_the_library_compressor_ranks_by_the_predictor_it_is_given(tokenizer):
-    from compression import DynamicKVCompressor
-    from compression.config import CompressionConfig
-    from compression.predictor.online import FutureValue
+    from confkv import DynamicKVCompressor
+    from confkv.compress.config import CompressionConfig
+    from confkv.compress.predictor.online import FutureValue
 
     model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
     ids = torch.randint(3, len(tokenizer), (1, 200), generator=torch.Generator().manual_seed(1))

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from app.engine import run_to_completion
-from compression.config import resolve
+from confkv.compress.config import resolve
+from confkv.engine.llm_engine import run_to_completion
 from tests.helpers import greedy, make_engine, tiny_model, tokens_of
 
 SETTINGS = {"sink_tokens": 4, "recent_window": 16, "compression_interval": 8, "score_interval": 2}

@@ -14,8 +14,8 @@ import pytest
 import uvicorn
 import yaml
 
-from app.api import create_app
-from app.settings import Settings
+from confkv.server.api import create_app
+from confkv.server.settings import Settings
 from load_tests.monitoring import PROMETHEUS_DIR, Alertmanager, Prometheus, WebhookLog, fast_rules
 from tests.helpers import ROOT, LiveServer, free_port
 

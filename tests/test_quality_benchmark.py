@@ -179,7 +179,7 @@ def test_saved_results_are_read_back_for_a_new_report(tmp_path):
 
 
 def test_the_confidence_ablation_sets_dynamics_doubt_weight():
-    from compression.config import CompressionConfig, resolve
+    from confkv.compress.config import CompressionConfig, resolve
 
     plan = quality.setups([0.75], ("dynamic",), doubt_weights=[0.5, 0.0, -0.5])
     ablation = [s for s in plan if s.doubt_weight is not None]
@@ -190,7 +190,7 @@ def test_the_confidence_ablation_sets_dynamics_doubt_weight():
 
 
 def test_the_lookahead_rows_ask_the_server_to_look_ahead():
-    from compression.config import CompressionConfig, resolve
+    from confkv.compress.config import CompressionConfig, resolve
 
     plan = quality.setups([0.95], ("dynamic",), uniform=(), lookahead=(8, 16))
     ahead = [s for s in plan if s.lookahead]
@@ -243,7 +243,7 @@ def test_kivi_at_full_width_answers_as_the_model_does(default_model, tokenizer):
 
 
 def test_the_long_preset_puts_every_row_at_the_frontier(monkeypatch, tokenizer):
-    from compression.config import CompressionConfig, resolve
+    from confkv.compress.config import CompressionConfig, resolve
 
     monkeypatch.setattr(sys, "argv", ["quality.py", "--long", "--needles", "4"])
     args = quality.parse_args()

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from models.loader import KVShape, load_model
-from models.random_weights import ARCHITECTURES, MARKER, write_random_model
+from confkv.models.loader import KVShape, load_model
+from confkv.models.random_weights import ARCHITECTURES, MARKER, write_random_model
 
 CPU = torch.device("cpu")
 

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import torch
 
-from app.sampler import History, sample
-from app.sequence import SamplingParams
+from confkv.engine.sampler import History, sample
+from confkv.engine.sequence import SamplingParams
 
 
 def gen(seed: int) -> torch.Generator:

@@ -6,9 +6,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.scheduler import Scheduler
-from app.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
-from compression.kv_store import KVBudgetExceeded
+from confkv.engine.scheduler import Scheduler
+from confkv.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from confkv.kv.kv_store import KVBudgetExceeded
 
 TOKEN_BYTES = 10
 

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from app.openai_protocol import ChatCompletionRequest, CompletionRequest
-from app.schemas import GenerateRequest
+from confkv.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from confkv.server.schemas import GenerateRequest
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from app.settings import Settings, load_settings
-from compression.config import parse_size
+from confkv.compress.config import parse_size
+from confkv.server.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_shipped_config_file_states_every_setting_with_its_default():
     import yaml
 
-    path = ROOT / "config" / "server.yaml"
+    path = ROOT / "confkv" / "config" / "server.yaml"
     stated = yaml.safe_load(path.read_text())
     assert set(stated) == set(Settings.model_fields) - {"config"}  # `config` names the file itself
     assert set(stated["cluster"]) == set(Settings.model_fields["cluster"].annotation.model_fields)

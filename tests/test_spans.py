@@ -9,10 +9,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.engine import run_to_completion
-from compression.config import resolve
-from compression.library import DynamicKVCompressor
-from compression.spans import LONGEST_SPAN, pool_over_spans, span_ids, word_starts
+from confkv.compress.config import resolve
+from confkv.compress.library import DynamicKVCompressor
+from confkv.compress.spans import LONGEST_SPAN, pool_over_spans, span_ids, word_starts
+from confkv.engine.llm_engine import run_to_completion
 from tests.helpers import greedy, make_engine, tiny_model
 
 SETTINGS = {"sink_tokens": 4, "recent_window": 16, "compression_interval": 8, "score_interval": 2}

@@ -10,11 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.engine import run_to_completion
-from compression.config import Thresholds, resolve
-from compression.kv_layout import BLOCK_SIZE
-from compression.scoring import POLICIES, LayerEntries, ScorePolicy
-from compression.tiers import plan_tiers, threshold_bytes
+from confkv.compress.config import Thresholds, resolve
+from confkv.compress.scoring import POLICIES, LayerEntries, ScorePolicy
+from confkv.compress.tiers import plan_tiers, threshold_bytes
+from confkv.engine.llm_engine import run_to_completion
+from confkv.kv.kv_layout import BLOCK_SIZE
 from tests.helpers import greedy, make_engine, tiers, tiny_model
 
 FULL, KEY_ONLY = 10, 6  # bytes of an entry at each tier in these plans

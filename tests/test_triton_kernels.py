@@ -21,12 +21,12 @@ if torch.cuda.is_available():  # conftest interprets Triton only without a GPU
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from compression import kernels, triton_attention, triton_blocks  # noqa: E402
-from compression.arena import Arena  # noqa: E402
-from compression.block_pool import BlockPool, Codec  # noqa: E402
-from compression.block_tables import Keep  # noqa: E402
-from compression.kv_store import KVStore  # noqa: E402
-from compression.paged_attention import DecodeBatch, decode_attention, decode_attention_reference  # noqa: E402
+from confkv.kv import kernels, triton_attention, triton_blocks  # noqa: E402
+from confkv.kv.arena import Arena  # noqa: E402
+from confkv.kv.block_pool import BlockPool, Codec  # noqa: E402
+from confkv.kv.block_tables import Keep  # noqa: E402
+from confkv.kv.kv_store import KVStore  # noqa: E402
+from confkv.kv.paged_attention import DecodeBatch, decode_attention, decode_attention_reference  # noqa: E402
 from tests.helpers import (  # noqa: E402
     FORMATS,
     INCONSISTENT,

@@ -1,1 +1,0 @@
-"""HTTP layer and engine loop of the CONF-KV server."""

@@ -1,0 +1,625 @@
+"""The compressor: between decode steps it scores, tiers and compacts running sequences.
+
+It plugs into the serving engine at three points: `prepare()` marks which sequences need their
+attention observed in the coming forward pass (end of prefill, then every `score_interval` decode
+steps) or audited (requests that asked for `compression_metrics`, and all that the predictor
+ranks while its mistakes are logged); as the `AttentionObserver` it
+receives those observations; `after_step()` compresses the sequences that are due (once at the
+end of prefill, then every `compression_interval` decode steps). Its `hooks` let tests and trace
+collection watch it without replacing its methods.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+from confkv.compress.config import CompressionParams
+from confkv.compress.history import TierHistory
+from confkv.compress.predictor.calibration import Calibration, Source
+from confkv.compress.predictor.misses import Dropped
+from confkv.compress.predictor.online import Forecast, FutureValue, PredictionJob
+from confkv.compress.scoring import LayerEntries, ScorePolicy
+from confkv.compress.spans import pool_over_spans, span_ids
+from confkv.compress.tiers import adaptive_weights, plan_tiers, pyramid_weights, threshold_bytes
+from confkv.kv.block_tables import Keep
+from confkv.kv.kv_store import KVBudgetExceeded, KVStore, LayerKV
+
+log = logging.getLogger(__name__)
+
+
+class _Budget(NamedTuple):
+    """What one compression of a sequence may keep."""
+
+    ceiling: float  # bytes per layer the rate allows, on average over the layers
+    per_layer: float  # bytes per layer it may keep on average: the ceiling, or less where the thresholds judged so
+    full_bytes: int  # of a FULL entry
+    key_only_bytes: int  # of a KEY_ONLY entry
+    value_errors: tuple[float, float]  # relative error of a FULL and of a KEY_ONLY value as stored; (0, 0): count first
+    rounding: float  # a partial block of each of a layer's tables: what whole blocks may hold past `per_layer`
+    judge: bool  # do the thresholds judge the request now (every layer)?
+    rescore: bool  # is every layer scored now (to judge, or to share the bytes among layers afresh)?
+
+
+class _Judged(NamedTuple):
+    """One layer of a sequence as a compression judges it."""
+
+    layer: int
+    kv: LayerKV
+    protected: torch.Tensor  # [n] sinks and the recent window
+    scores: torch.Tensor  # [n]
+    retention: torch.Tensor | None  # [n] retention confidence, where the policy gives one
+    judged: torch.Tensor  # [n] entries an earlier compression kept
+
+
+class TrackedSequence(Protocol):
+    """What the compressor reads of a sequence."""
+
+    seq_id: int
+    num_computed: int  # tokens whose KV has been computed
+    token_ids: list[int]  # prompt and generated tokens
+
+
+class MarkedChunk(Protocol):
+    """What the compressor reads and marks of a chunk scheduled for the forward pass."""
+
+    seq_id: int
+    token_ids: list[int]  # the chunk's tokens (one for a decode step)
+    needs_logits: bool  # the chunk ends its sequence's known tokens (the end of prefill, or a decode step)
+    observe: int  # set here: how many of its last queries' attention to observe
+    audit: bool  # set here: measure the attention its dropped keys would get
+
+
+@dataclass
+class CompressionMetrics:
+    """Per-request figures: a response's `compression_metrics` (docs/compression.md defines each field)."""
+
+    original_size: int
+    compressed_size: int
+    ceiling_size: int
+    compression_ratio: float
+    mean_compression_ratio: float
+    hit_rate: float
+    prefix_parked: str | None
+    recall_rate: float
+    entries: dict[str, int]
+    policy: str
+    compression_time_ms: float
+
+
+@dataclass
+class SequenceState:
+    params: CompressionParams
+    policy: ScorePolicy | None  # None: the request does not compress (nothing is observed or scored)
+    prompt_len: int
+    prefilled: bool = False
+    steps_since_compression: int = 0
+    decode_steps: int = 0
+    seconds: float = 0.0
+    pressure_rate: float = 0.0  # raised under memory pressure, never lowered (dropped entries do not return)
+    recall_sum: float = 0.0
+    recall_count: int = 0
+    ratio_sum: float = 0.0  # compression_ratio after each decode step, summed (with `stats` only)
+    ratio_steps: int = 0
+    audit: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> dropped keys
+    misses: dict[int, Dropped] = field(default_factory=dict)  # layer -> dropped entries the predictor ranked
+    confidences: list[float] = field(default_factory=list)  # top-token probability of each generated token
+    predictions: int = 0  # compressions the value predictor ran for
+    judged_until: int = 0  # entries below this position were kept by an earlier compression
+    compressions: int = 0  # compressions run (due or forced), whether or not they changed anything
+    content_bytes_per_token: float | None = None  # per layer: what the thresholds kept at their last judgment
+    layer_weights: torch.Tensor | None = None  # adaptive layer budgets: each layer's share (mean 1), when scored
+    history: TierHistory | None = None  # each compression's tiers, for requests that ask (`inspect`)
+    spans: torch.Tensor | None = None  # the span of each position (`retention_unit`), as of the last compression
+
+    @property
+    def rate(self) -> float:
+        """The share of bytes to remove: the request's rate, or the pressure's if higher."""
+        return max(self.params.compression_rate, self.pressure_rate)
+
+    @property
+    def observed_prompt_queries(self) -> int:
+        """Prompt queries whose attention the end-of-prefill compression observes (0: none)."""
+        if not self.params.active or not self.policy.uses_attention:
+            return 0
+        return self.policy.observation_window or self.params.observation_window
+
+    def reset_cache_state(self) -> None:
+        """After preemption the cache is rebuilt from scratch."""
+        self.prefilled = False
+        self.steps_since_compression = 0
+        self.audit.clear()
+        self.misses.clear()
+        self.predictions = 0
+        self.judged_until = 0
+        self.compressions = 0
+        self.content_bytes_per_token = None
+        self.layer_weights = None
+        if self.history is not None:
+            self.history.clear()
+
+
+@dataclass
+class CompressionHooks:
+    """Callbacks, called in the order added, for tests and trace collection (serving adds none, and
+    then they cost nothing)."""
+
+    # After each compression of a sequence, due or forced by memory pressure, whether or not it
+    # changed anything: (seq_id, tokens computed, its state).
+    compressed: list[Callable[[int, int, SequenceState], None]] = field(default_factory=list)
+    # After each observation of a sequence's attention is folded in: (seq_id, layer, rows [observed
+    # queries, held entries]), the attention each held entry received from each query.
+    observed: list[Callable[[int, int, torch.Tensor], None]] = field(default_factory=list)
+    # After each step's sampling: the top-token probability of each sequence that sampled, by seq_id.
+    sampled: list[Callable[[dict[int, float]], None]] = field(default_factory=list)
+
+
+class Compressor:
+    def __init__(
+        self,
+        store: KVStore,
+        pressure_ceiling: float = 0.9,
+        pressure_step: float = 0.05,
+        future_value: FutureValue | None = None,
+        calibrations: dict[Source, Calibration] | None = None,
+        word_starts: torch.Tensor | None = None,
+    ) -> None:
+        self.store = store
+        self.word_starts = word_starts  # [vocabulary] tokens that begin a word (`spans.word_starts`), when known
+        self.future_value = future_value  # the value predictor, when one is loaded
+        self.calibrations = calibrations or {}  # retention confidence by value source, when fitted
+        self.pressure_ceiling = pressure_ceiling
+        self.pressure_step = pressure_step
+        self.squeezes = 0  # compressions forced by memory pressure
+        self.states: dict[int, SequenceState] = {}
+        self.audit_bytes = 0
+        self.hooks = CompressionHooks()
+
+    # ----- lifecycle ---------------------------------------------------------------------
+    def register(self, seq_id: int, params: CompressionParams, prompt_len: int) -> None:
+        if params.active and params.retention_unit == "word" and self.word_starts is None:
+            raise ValueError("retention_unit 'word' needs the tokenizer, and this compressor was given none")
+        history = TierHistory() if params.inspect else None
+        self.states[seq_id] = SequenceState(params, params.scorer(), prompt_len, history=history)
+
+    def preempted(self, seq_id: int) -> None:
+        state = self.states.get(seq_id)
+        if state is not None:
+            self.audit_bytes -= sum(k.nbytes for k in state.audit.values())
+            state.reset_cache_state()
+
+    def compresses(self, seq_id: int) -> bool:
+        state = self.states.get(seq_id)
+        return state is not None and state.params.active
+
+    def prefill_tail(self, seq_id: int) -> int:
+        """Tokens the last prefill chunk of a sequence must compute (at least one): the prompt
+        queries its end-of-prefill compression observes, which must attend in that chunk."""
+        return max(1, self.states[seq_id].observed_prompt_queries)
+
+    def release(
+        self, seq_id: int, num_tokens: int, cached_tokens: int = 0, prefix_parked: str | None = None
+    ) -> CompressionMetrics | None:
+        """Forget a finishing sequence (call before its cache is freed); return its metrics. Its tier
+        history, if it keeps one, ends with the state it finished in (`history(seq_id)` before this)."""
+        metrics = self.metrics(seq_id, num_tokens, cached_tokens, prefix_parked)
+        state = self.states.pop(seq_id, None)
+        if state is not None:
+            self.audit_bytes -= sum(k.nbytes for k in state.audit.values())
+            if state.misses:
+                self.future_value.misses.save(f"{time.time_ns()}-{seq_id}", list(state.misses.values()))
+        return metrics
+
+    def history(self, seq_id: int, num_tokens: int) -> TierHistory | None:
+        """The sequence's tier history, closed with its state now (`num_tokens` processed); None
+        unless it asked for one."""
+        state = self.states.get(seq_id)
+        if state is None or state.history is None:
+            return None
+        self._record(seq_id, num_tokens, state, final=True)
+        return state.history
+
+    def metrics(
+        self, seq_id: int, num_tokens: int, cached_tokens: int = 0, prefix_parked: str | None = None
+    ) -> CompressionMetrics | None:
+        """The sequence's figures now: `num_tokens` processed, `cached_tokens` of its prompt reused
+        from a prefix-cache entry parked as `prefix_parked`."""
+        state = self.states.get(seq_id)
+        if state is None:
+            return None
+        original = num_tokens * self.store.model_token_bytes
+        compressed = self.store.seq_bytes(seq_id)
+        rate = state.rate if state.params.active else 0.0
+        full = key_only = 0
+        if seq_id in self.store:
+            for layer in range(self.store.num_layers):
+                kv = self.store.layer(seq_id, layer)
+                full += kv.num_full
+                key_only += kv.num_key_only
+        held_tokens = full + key_only
+        ratio = compressed / original if original else 1.0
+        return CompressionMetrics(
+            original_size=original,
+            compressed_size=compressed,
+            ceiling_size=int((1.0 - rate) * original),
+            compression_ratio=ratio,
+            mean_compression_ratio=state.ratio_sum / state.ratio_steps if state.ratio_steps else ratio,
+            hit_rate=cached_tokens / state.prompt_len if state.prompt_len else 0.0,
+            prefix_parked=prefix_parked if cached_tokens else None,
+            recall_rate=state.recall_sum / state.recall_count if state.recall_count else 1.0,
+            entries={
+                "full": full,
+                "key_only": key_only,
+                "dropped": max(0, num_tokens * self.store.num_layers - held_tokens),
+            },
+            policy=state.params.policy if state.params.active else "none",
+            compression_time_ms=1000.0 * state.seconds,
+        )
+
+    # ----- around the forward pass ---------------------------------------------------------
+    def prepare(self, chunks: list[MarkedChunk]) -> None:
+        """Mark the chunks whose attention must be observed or audited in this step."""
+        for chunk in chunks:
+            state = self.states.get(chunk.seq_id)
+            if state is None or not state.params.active:
+                continue
+            decode = state.prefilled and len(chunk.token_ids) == 1
+            if not state.prefilled and chunk.needs_logits:
+                chunk.observe = min(state.observed_prompt_queries, len(chunk.token_ids))
+            elif decode and state.policy.uses_attention and state.decode_steps % state.params.score_interval == 0:
+                chunk.observe = 1
+            chunk.audit = decode and self._audits(state)
+
+    def on_attention(self, seq_id: int, layer: int, rows: torch.Tensor) -> None:
+        kv = self.store.layer(seq_id, layer)
+        state = self.states[seq_id]
+        n = kv.length
+        held = kv.attention[:n]
+        held.copy_(state.policy.accumulate(held, rows.sum(dim=0)))
+        if kv.observed is not None:
+            # The predictor's timeline: queries score_interval apart (a decode step brings one).
+            picked = rows.flip(0)[:: state.params.score_interval][: kv.observed.shape[0]].flip(0)
+            recent = kv.observed[:, :n]
+            recent.copy_(torch.cat((recent[picked.shape[0] :], picked.to(recent.dtype))))
+        for hook in self.hooks.observed:
+            hook(seq_id, layer, rows)
+
+    def on_decode_attention(self, layer: int, seq_ids: list[int], rows: torch.Tensor) -> None:
+        # One update per scoring rule for the whole batch, not a call per sequence.
+        groups: dict[str, list[int]] = {}
+        for i, seq_id in enumerate(seq_ids):
+            groups.setdefault(repr(self.states[seq_id].policy), []).append(i)
+        for members in groups.values():
+            policy = self.states[seq_ids[members[0]]].policy
+            self.store.observe(layer, [seq_ids[i] for i in members], rows[members], policy.accumulate)
+        for hook in self.hooks.observed:
+            for seq_id, row in zip(seq_ids, rows, strict=True):
+                hook(seq_id, layer, row[: self.store.seq_length(seq_id, layer)].unsqueeze(0))
+
+    def audit_keys(self, seq_id: int, layer: int) -> torch.Tensor | None:
+        return self.states[seq_id].audit.get(layer)
+
+    def on_audit(self, seq_id: int, layer: int, recall: torch.Tensor, dropped_mass: torch.Tensor | None) -> None:
+        state = self.states[seq_id]
+        state.recall_sum += float(recall.sum())
+        state.recall_count += recall.numel()
+        if dropped_mass is not None and layer in state.misses:
+            self.future_value.misses.attended(state.misses[layer], dropped_mass, state.decode_steps)
+
+    def lookahead(self, seq: TrackedSequence) -> int:
+        """Tokens to decode ahead on the uncompressed cache, observed, before this sequence's
+        end-of-prefill compression (0: none, or not due now)."""
+        state = self.states.get(seq.seq_id)
+        if state is None or not state.params.active or state.prefilled or seq.seq_id not in self.store:
+            return 0
+        return state.params.lookahead_tokens if seq.num_computed >= len(seq.token_ids) - 1 else 0
+
+    def after_step(self, sequences: list[TrackedSequence], sampled_confidence: dict[int, float]) -> float:
+        """Compress every due sequence; return the seconds spent."""
+        started = time.perf_counter()
+        for hook in self.hooks.sampled:
+            hook(sampled_confidence)
+        ready: list[tuple[TrackedSequence, SequenceState]] = []
+        for seq in sequences:
+            state = self.states.get(seq.seq_id)
+            if state is None or not state.params.active or seq.seq_id not in self.store:
+                continue
+            if seq.seq_id in sampled_confidence:
+                state.confidences.append(sampled_confidence[seq.seq_id])
+            if seq.num_computed < len(seq.token_ids) - 1:
+                continue  # still prefilling
+            if not state.prefilled:
+                state.prefilled = True
+                due = True
+            else:
+                state.decode_steps += 1
+                state.steps_since_compression += 1
+                due = state.steps_since_compression >= state.params.compression_interval
+            if due:
+                ready.append((seq, state))
+        if ready:
+            predicted = self._predict([(seq, state) for seq, state in ready if self._uses_predictor(state)])
+            shared = (time.perf_counter() - started) / len(ready)  # the batched prediction, shared out
+            for seq, state in ready:
+                began = time.perf_counter()
+                self._note_spans(seq, state)
+                self.compress(seq.seq_id, seq.num_computed, state, predicted.get(seq.seq_id))
+                state.steps_since_compression = 0
+                state.seconds += shared + time.perf_counter() - began
+        self._note_ratios(sequences)
+        return time.perf_counter() - started
+
+    def _note_ratios(self, sequences: list[TrackedSequence]) -> None:
+        """What each decoding sequence that asked for statistics holds now, for mean_compression_ratio."""
+        store = self.store
+        for seq in sequences:
+            state = self.states.get(seq.seq_id)
+            if state is not None and state.params.stats and state.prefilled and seq.seq_id in store:
+                state.ratio_sum += store.seq_bytes(seq.seq_id) / (seq.num_computed * store.model_token_bytes)
+                state.ratio_steps += 1
+
+    def squeeze(self, sequences: list[TrackedSequence]) -> bool:
+        """Memory pressure: compress these sequences harder, a step at a time up to the ceiling.
+
+        Returns True as soon as bytes were freed, False when every one is at the ceiling. Only
+        sequences whose room for this step is not reserved yet may be given.
+        """
+        before = self.store.used_bytes
+        while True:
+            squeezed = False
+            for seq in reversed(sequences):  # newest first: the oldest are closest to finishing
+                state = self.states.get(seq.seq_id)
+                if state is None or not state.params.active or not state.prefilled or seq.seq_id not in self.store:
+                    continue
+                current = state.rate
+                if current >= self.pressure_ceiling:
+                    continue
+                state.pressure_rate = min(self.pressure_ceiling, current + self.pressure_step)
+                self._note_spans(seq, state)
+                self.compress(seq.seq_id, seq.num_computed, state)
+                self.squeezes += 1
+                squeezed = True
+                if self.store.used_bytes < before:
+                    return True
+            if not squeezed:
+                return False
+
+    # ----- the compression itself ---------------------------------------------------------
+    def _note_spans(self, seq: TrackedSequence, state: SequenceState) -> None:
+        """The spans of the sequence's positions as its tokens stand now, where its retention unit has spans."""
+        params = state.params
+        if params.retention_unit == "token":  # no spans: nothing to copy at every compression
+            state.spans = None
+            return
+        tokens = seq.token_ids[: seq.num_computed]
+        spans = span_ids(params.retention_unit, tokens, self.word_starts, params.chunk_tokens)
+        state.spans = spans.to(self.store.device)
+
+    def target_rate(self, state: SequenceState) -> float:
+        """The rate to apply now: the request's (or the pressure's, if higher), as the policy adjusts
+        it to the model's recent confidence."""
+        return state.policy.target_rate(state.rate, state.confidences[-state.params.compression_interval :])
+
+    def _uses_predictor(self, state: SequenceState) -> bool:
+        return self.future_value is not None and state.params.value_predictor and state.policy.uses_predictor
+
+    def _calibration(self, state: SequenceState) -> Calibration | None:
+        """What turns this sequence's value scores into retention confidences (a calibrated policy's)."""
+        return self.calibrations.get("forecast" if self._uses_predictor(state) else "attention")
+
+    def _logs_misses(self, state: SequenceState) -> bool:
+        return self._uses_predictor(state) and self.future_value.misses is not None
+
+    def _audits(self, state: SequenceState) -> bool:
+        """Keep the dropped keys and watch the attention they would get: for compression_metrics,
+        and for the predictor's error samples."""
+        return state.params.stats or self._logs_misses(state)
+
+    def _predict(self, due: list[tuple[TrackedSequence, SequenceState]]) -> dict[int, dict[int, Forecast]]:
+        """Predicted future attention of every entry these sequences' compressions can change, in one batch."""
+        jobs = []
+        for seq, state in due:
+            layers = self._to_compress(seq.seq_id, state, self._budget(seq.seq_id, seq.num_computed, state))
+            if layers:
+                jobs.append(self._prediction_job(seq.seq_id, seq.num_computed, state, layers))
+        return self.future_value.predict(self.store, jobs) if jobs else {}
+
+    def _prediction_job(self, seq_id: int, num_tokens: int, state: SequenceState, layers: list[int]) -> PredictionJob:
+        # Every entry every `prediction_refresh` compressions, else only the new ones; misses are logged
+        # with the features of every dropped entry, so then always every entry.
+        refresh = self._logs_misses(state) or state.predictions % state.params.prediction_refresh == 0
+        state.predictions += 1
+        return PredictionJob(seq_id, num_tokens, self._token_confidence(state, num_tokens), layers, refresh)
+
+    def compress(
+        self, seq_id: int, num_tokens: int, state: SequenceState, predicted: dict[int, Forecast] | None = None
+    ) -> None:
+        """Compress one sequence: budget, score, plan, compact. `predicted` (by layer) is the predictor's
+        output, when already computed."""
+        self._plan_and_compact(seq_id, num_tokens, state, predicted)
+        if state.history is not None:
+            self._record(seq_id, num_tokens, state)
+        for hook in self.hooks.compressed:
+            hook(seq_id, num_tokens, state)
+
+    def _record(self, seq_id: int, num_tokens: int, state: SequenceState, final: bool = False) -> None:
+        if seq_id not in self.store:
+            return  # finished before it held any KV
+        layers = []
+        for layer in range(self.store.num_layers):
+            kv = self.store.layer(seq_id, layer)
+            layers.append((kv.positions[: kv.length], kv.num_key_only))
+        state.history.record(layers, num_tokens, state.decode_steps, final)
+
+    def _plan_and_compact(
+        self, seq_id: int, num_tokens: int, state: SequenceState, predicted: dict[int, Forecast] | None
+    ) -> None:
+        params = state.params
+        store = self.store
+        budget = self._budget(seq_id, num_tokens, state)
+        layers = self._to_compress(seq_id, state, budget)
+        state.compressions += 1
+        if not layers:
+            return  # nothing to remove: attention is still observed (traces, scores for later)
+        if predicted is None and self._uses_predictor(state):
+            job = self._prediction_job(seq_id, num_tokens, state, layers)
+            predicted = self.future_value.predict(store, [job])[seq_id]
+        confidence = self._token_confidence(state, num_tokens)
+        calibration = self._calibration(state) if budget.judge else None
+        judged = []
+        for layer in layers:
+            kv = store.layer(seq_id, layer)
+            n = kv.length
+            positions = kv.positions[:n]
+            protected = (positions < params.sink_tokens) | (positions > num_tokens - 1 - params.recent_window)
+            entries = LayerEntries(
+                keys=store.view(seq_id, layer).keys if state.policy.uses_keys else None,
+                positions=positions,
+                attention=kv.attention[:n],
+                token_confidence=confidence[positions],
+                predicted=predicted[layer].value if predicted is not None else None,
+                calibration=calibration,
+                position=num_tokens - 1,
+                layer=layer,
+                seed=params.seed,
+            )
+            scores = state.policy.score(entries)
+            if state.spans is not None:  # a span is ranked as its best entry: kept whole or dropped whole
+                scores = pool_over_spans(scores, state.spans[positions])
+            retention = state.policy.retention(entries) if budget.judge else None
+            judged.append(_Judged(layer, kv, protected, scores, retention, positions < state.judged_until))
+            if state.history is not None:
+                state.history.scored(layer, positions, scores, retention)
+        per_layer = budget.per_layer
+        if budget.judge:
+            per_layer = self._judge(judged, budget, state, num_tokens)
+        if budget.rescore and state.params.layer_budget == "adaptive":
+            state.layer_weights = adaptive_weights([j.scores[~j.protected] for j in judged])
+        layer_bytes = self._layer_bytes(state, per_layer)
+        over = self._over(seq_id, layer_bytes, budget.rounding)
+        full_bytes, key_only_bytes = budget.full_bytes, budget.key_only_bytes
+        keep, dropped = {}, {}
+        for layer, kv, protected, scores, _, _ in judged:
+            if not over[layer]:
+                continue
+            plan = plan_tiers(
+                scores,
+                protected,
+                kv.num_key_only,
+                layer_bytes[layer],
+                full_bytes,
+                key_only_bytes,
+                state.policy.uses_tiers,
+                value_errors=budget.value_errors,
+            )
+            if plan.dropped.numel() == 0 and plan.keep_key_only.numel() == kv.num_key_only:
+                continue
+            if self._audits(state) and plan.dropped.numel():  # the keys, before compaction lets them go
+                dropped[layer] = (plan.dropped, store.view(seq_id, layer).keys.index_select(1, plan.dropped))
+            keep[layer] = Keep(full=plan.keep_full, key_only=plan.keep_key_only)
+        state.judged_until = num_tokens
+        if not keep:
+            return
+        try:
+            store.compact(seq_id, keep)
+        except KVBudgetExceeded as exc:  # the arena's pages are held by other formats: again next interval
+            log.debug("sequence %d not compacted: %s", seq_id, exc)
+            return
+        for layer, (entries, keys) in dropped.items():
+            self._audit(state, layer, keys)
+            if self._logs_misses(state):  # in the audit's order, so the audit's masses line up
+                known = state.misses.get(layer) or Dropped.none(predicted[layer].windows)
+                state.misses[layer] = known.add(predicted[layer].windows[entries], state.decode_steps)
+
+    def _judge(self, judged: list[_Judged], budget: _Budget, state: SequenceState, num_tokens: int) -> float:
+        """Bytes each layer may hold, as the thresholds judge the request: its share of what they keep
+        over all its layers (under the rate's ceiling), so memory follows the content of the request
+        while every layer holds as much. Remembered per token for the compressions until the next
+        judgment. Without retention confidences (no calibration, nothing observed yet) the rate decides.
+
+        The thresholds judge the request, not each layer: letting them set each layer's bytes (few
+        where attention is concentrated, many where it is diffuse) lost fidelity at equal bytes
+        against a fixed rate (see docs/design.md)."""
+        if any(j.retention is None for j in judged):
+            state.content_bytes_per_token = None
+            return budget.ceiling
+        held = sum(
+            threshold_bytes(
+                j.protected,
+                j.kv.num_key_only,
+                budget.full_bytes,
+                budget.key_only_bytes,
+                state.policy.uses_tiers,
+                j.retention,
+                state.params.thresholds,
+                j.judged,
+            )
+            for j in judged
+        )
+        state.content_bytes_per_token = held / len(judged) / num_tokens
+        return min(budget.ceiling, held / len(judged))
+
+    def _budget(self, seq_id: int, num_tokens: int, state: SequenceState) -> _Budget:
+        """What this compression may keep of each layer, and whether the thresholds judge the request now."""
+        store = self.store
+        rate = self.target_rate(state)
+        codec = store.codec_of(seq_id)
+        # Scores that are expected attention also say what a precise value is worth (`_spend`);
+        # others (positions, key norms) say nothing of it, and the plan keeps the count first.
+        errors = store.value_errors(codec) if state.policy.uses_attention else (0.0, 0.0)
+        sizes = (*store.entry_bytes(codec), errors)
+        if rate <= 0.0:
+            return _Budget(float("inf"), float("inf"), *sizes, 0.0, judge=False, rescore=False)
+        per_token = store.model_token_bytes / store.num_layers
+        # Tables hold whole blocks: leave room for a partial one of each of the three tables.
+        rounding = store.table_blocks_bytes(codec)
+        ceiling = (1.0 - rate) * num_tokens * per_token - rounding
+        # The thresholds judge every layer's entries, so only every `prediction_refresh` compressions
+        # (when the predictor refreshes its forecasts); in between, what they kept per token holds.
+        # Adaptive layer budgets are shared out afresh as often, from every layer's scores.
+        refresh = state.compressions % state.params.prediction_refresh == 0
+        judge = state.policy.thresholds_decide and refresh
+        rescore = judge or (refresh and state.params.layer_budget == "adaptive")
+        per_layer = ceiling
+        if state.content_bytes_per_token is not None and not judge:
+            per_layer = min(ceiling, state.content_bytes_per_token * num_tokens)
+        return _Budget(ceiling, per_layer, *sizes, rounding, judge, rescore)
+
+    def _layer_bytes(self, state: SequenceState, per_layer: float) -> list[float]:
+        """Each layer's bytes: the per-layer mean, shared among the layers as `layer_budget` says."""
+        kind = state.params.layer_budget
+        weights = pyramid_weights(self.store.num_layers) if kind == "pyramid" else state.layer_weights
+        if kind == "uniform" or weights is None:
+            return [per_layer] * self.store.num_layers
+        return (per_layer * weights).tolist()
+
+    def _to_compress(self, seq_id: int, state: SequenceState, budget: _Budget) -> list[int]:
+        """The layers a compression scores: every layer when the thresholds judge the request or the
+        layers' shares are renewed, else only those over their budget (`_over`)."""
+        if budget.rescore:
+            return list(range(self.store.num_layers))
+        return np.flatnonzero(self._over(seq_id, self._layer_bytes(state, budget.per_layer), budget.rounding)).tolist()
+
+    def _over(self, seq_id: int, layer_bytes: list[float], rounding: float) -> np.ndarray:
+        """Which layers [layers] hold more than their bytes, whole blocks counted (a partial block of
+        each table allowed): only compacting those frees memory, which is held in whole blocks.
+        Compacting a layer that fits would drop entries and rewrite its tables for no block freed."""
+        return self.store.layer_bytes(seq_id) > np.asarray(layer_bytes) + rounding
+
+    def _token_confidence(self, state: SequenceState, num_tokens: int) -> torch.Tensor:
+        confidence = torch.ones(num_tokens + 1, device=self.store.device)
+        generated = state.confidences[: max(0, num_tokens + 1 - state.prompt_len)]
+        if generated:
+            confidence[state.prompt_len : state.prompt_len + len(generated)] = torch.tensor(generated)
+        return confidence
+
+    def _audit(self, state: SequenceState, layer: int, dropped: torch.Tensor) -> None:
+        previous = state.audit.get(layer)
+        state.audit[layer] = dropped.clone() if previous is None else torch.cat((previous, dropped), dim=1)
+        self.audit_bytes += dropped.nbytes

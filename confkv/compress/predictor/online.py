@@ -1,0 +1,145 @@
+"""The predictor at serving time: predicted future attention for every held entry, in one batch.
+
+Each entry of the live cache keeps its last `observation_steps` observations (the KV store's
+`observed`, filled by the compressor) and its key norm (taken when written); from those,
+the entry's decayed score, position and token confidence, the same features as in the traces are
+built for every layer of every sequence due for compression, and the LSTM runs once over all of
+them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from confkv.compress.predictor.calibration import Calibration, Source, calibration_path, load_calibrations
+from confkv.compress.predictor.features import unscaled_attention, window_features
+from confkv.compress.predictor.misses import MissLog
+from confkv.compress.predictor.model import ValuePredictor, load_predictor, model_fingerprint
+from confkv.kv.kv_store import KVStore
+from confkv.models.default_model import MODEL_NAME
+
+log = logging.getLogger(__name__)
+
+PREDICTOR_DIR = Path(__file__).resolve().parent / "weights"
+PREDICTOR_FILE = "value_predictor.safetensors"  # a model folder's own predictor, where it brings one
+
+
+@dataclass
+class Forecast:
+    """For the held entries of one layer: predicted future attention, and the features it read."""
+
+    value: torch.Tensor  # [n] attention mass over the coming prediction_window steps
+    windows: torch.Tensor  # [m, T, F] the features of the entries predicted this time (all n on a refresh)
+
+
+@dataclass
+class PredictionJob:
+    seq_id: int
+    num_tokens: int  # tokens whose KV is computed; the newest query sits at num_tokens - 1
+    token_confidence: torch.Tensor  # [num_tokens + 1] by position
+    layers: list[int]  # the layers to predict
+    refresh: bool = True  # every entry; otherwise only those without a forecast yet
+
+
+class FutureValue:
+    def __init__(self, predictor: ValuePredictor, score_interval: int, misses: MissLog | None = None) -> None:
+        self.predictor = predictor
+        self.score_interval = score_interval  # decode steps between the observations an entry keeps
+        self.misses = misses  # where dropped entries that drew attention are logged, if anywhere
+
+    @property
+    def history_steps(self) -> int:
+        return self.predictor.config.observation_steps
+
+    def require_window(self, prediction_window: int) -> None:
+        """Refuse settings whose `prediction_window` is not the one the predictor was trained for."""
+        trained = self.predictor.config.prediction_window
+        if prediction_window != trained:
+            raise ValueError(
+                f"prediction_window is {prediction_window} but the value predictor was trained to forecast "
+                f"{trained} tokens ahead: set prediction_window to {trained} in the compression config, or train "
+                "a predictor for that window (prediction_window in confkv/config/prediction_model.yaml, then "
+                "`make train-predictor`)"
+            )
+
+    @torch.inference_mode()
+    def predict(self, store: KVStore, jobs: list[PredictionJob]) -> dict[int, dict[int, Forecast]]:
+        """Per sequence, by layer: the attention mass each held entry is predicted to receive.
+
+        The forecasts are kept with the entries: a job that does not refresh predicts only the entries
+        that have none (new since the last refresh, or in a layer not predicted before)."""
+        windows, targets = [], []
+        offsets = self.score_interval * torch.arange(self.history_steps - 1, -1, -1, device=store.device)
+        for job in jobs:
+            queries = job.num_tokens - 1 - offsets
+            for layer in job.layers:
+                kv = store.layer(job.seq_id, layer)
+                n = kv.length
+                todo = slice(0, n) if job.refresh else kv.forecast[:n].isnan().nonzero().squeeze(1)
+                positions = kv.positions[todo]
+                windows.append(
+                    window_features(
+                        kv.observed[:, todo],
+                        kv.attention[todo],
+                        positions,
+                        queries,
+                        job.token_confidence[positions],
+                        kv.key_norm[todo],
+                        layer,
+                        store.num_layers,
+                    )
+                )
+                targets.append((kv, todo))
+        if not windows:
+            return {}
+        rows = torch.cat(windows)
+        predicted = unscaled_attention(self.predictor(rows).float()) if len(rows) else rows.new_zeros(0)
+        forecasts = []
+        for (kv, todo), window, value in zip(targets, windows, predicted.split([len(w) for w in windows]), strict=True):
+            kv.forecast[todo] = value
+            forecasts.append(Forecast(kv.forecast[: kv.length].clone(), window))
+        ordered = iter(forecasts)
+        return {job.seq_id: {layer: next(ordered) for layer in job.layers} for job in jobs}
+
+
+def predictor_path(model_path: Path | None) -> Path:
+    """Where a model's predictor lives: in its folder, where the folder brings one (PREDICTOR_FILE),
+    else confkv/compress/predictor/weights/<model folder name>.safetensors."""
+    if model_path is not None and (Path(model_path) / PREDICTOR_FILE).is_file():
+        return Path(model_path) / PREDICTOR_FILE
+    return PREDICTOR_DIR / f"{model_path.name if model_path else MODEL_NAME}.safetensors"
+
+
+def load_future_value(
+    path: Path, model_config, device: torch.device, score_interval: int, misses: MissLog | None = None
+) -> FutureValue | None:
+    """The predictor saved at `path` for this model, or None with one log line saying that the
+    dynamic policy scores by observed attention only."""
+    predictor = load_predictor(path, model_fingerprint(model_config))
+    if predictor is None:
+        log.warning(
+            "no value predictor at %s: the dynamic policy scores by observed attention only "
+            "(train one for this model with `make train-predictor`)",
+            path,
+        )
+        return None
+    log.info("value predictor %s loaded (%s)", path, predictor.config.short_description)
+    return FutureValue(predictor.to(device), score_interval, misses)
+
+
+def load_retention(predictor_file: Path, model_config) -> dict[Source, Calibration]:
+    """The retention confidence's calibration saved next to `predictor_file` for this model, or none
+    with one log line saying that the rate alone decides what `dynamic` keeps."""
+    path = calibration_path(predictor_file)
+    calibrations = load_calibrations(path, model_fingerprint(model_config))
+    if not calibrations:
+        log.warning(
+            "no retention calibration for this model at %s: dynamic's thresholds do not decide, its rate does "
+            "(fit one with `make train-predictor`)",
+            path,
+        )
+    return calibrations

@@ -1,0 +1,250 @@
+"""Scoring policies: each says how much every cached entry of one layer is worth keeping.
+
+In the manner of kvpress, a policy is a small dataclass with one `score()` method (higher means
+keep) and, where it uses observed attention, an `accumulate()` rule for new observations. Its
+parameters are its fields; what the engine must do for it (observe attention, read keys, run the
+value predictor, allow KEY_ONLY) are class properties. The engine does the rest: observing
+attention, turning scores into tiers under the budget, compacting.
+
+A subclass that sets `name` is registered: that name is what requests and config files accept
+(`policy`), and its fields are the options they may set (`policy_options: {name: {...}}`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import cache
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import TypeAdapter
+
+if TYPE_CHECKING:
+    from confkv.compress.predictor.calibration import Calibration
+
+
+@dataclass
+class LayerEntries:
+    """What a policy may look at for the entries one layer of one sequence holds."""
+
+    keys: torch.Tensor | None  # [kv_heads, n, head_dim], for policies that use keys
+    positions: torch.Tensor  # [n]
+    attention: torch.Tensor  # [n] observed attention, accumulated by the policy's rule
+    token_confidence: torch.Tensor  # [n] top-token probability when the entry's token was sampled (1 for prompt)
+    position: int  # position of the newest token
+    layer: int
+    seed: int = 0
+    predicted: torch.Tensor | None = None  # [n] the value predictor's future attention, when it ran
+    calibration: Calibration | None = None  # relative value -> P(needed), for the value below, when fitted
+
+    @property
+    def value(self) -> torch.Tensor:
+        """What an entry is expected to be worth: the predictor's forecast when it ran, else the observed attention."""
+        return self.attention if self.predicted is None else self.predicted
+
+
+POLICIES: dict[str, type[ScorePolicy]] = {}  # name -> policy class, filled as subclasses are defined
+NO_COMPRESSION = "none"  # the policy name that turns compression off for a request
+
+
+@dataclass
+class ScorePolicy:
+    """Base: eviction only (an entry is kept FULL or dropped), attention summed over observations."""
+
+    name: ClassVar[str]
+    uses_tiers: ClassVar[bool] = False  # may the policy keep entries as KEY_ONLY?
+    uses_attention: ClassVar[bool] = True  # does it need attention observations?
+    uses_keys: ClassVar[bool] = False  # does it read the keys (dequantised at quantised storage)?
+    uses_predictor: ClassVar[bool] = False  # does it score by the value predictor's forecast, when one is loaded?
+    thresholds_decide: ClassVar[bool] = False  # does it give a retention confidence (`retention`)?
+    observation_window: ClassVar[int | None] = None  # prompt queries observed at the end of prefill (None: config)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            POLICIES[cls.name] = cls
+
+    def accumulate(self, previous: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
+        return previous + observed
+
+    def score(self, entries: LayerEntries) -> torch.Tensor:
+        raise NotImplementedError
+
+    def retention(self, entries: LayerEntries) -> torch.Tensor | None:
+        """Each entry's retention confidence, a probability in [0, 1] that the thresholds turn into
+        tiers (with `compression_rate` as a ceiling); None: the policy only ranks, and the rate decides."""
+        return None
+
+    def target_rate(self, rate: float, recent_confidence: list[float]) -> float:
+        """The rate to compress at now, given the request's and the model's recent top-token probabilities."""
+        return rate
+
+
+@dataclass
+class StreamingLLM(ScorePolicy):
+    """Keep the attention sinks (protected anyway) and the most recent tokens."""
+
+    name = "streaming_llm"
+    uses_attention = False
+
+    def score(self, entries: LayerEntries) -> torch.Tensor:
+        return entries.positions.float()
+
+
+@dataclass
+class H2O(ScorePolicy):
+    """Heavy hitters: attention accumulated over every observation."""
+
+    name = "h2o"
+
+    def score(self, entries: LayerEntries) -> torch.Tensor:
+        return entries.attention
+
+
+@dataclass
+class TOVA(ScorePolicy):
+    """Attention of the latest observed query only."""
+
+    name = "tova"
+    observation_window = 1
+
+    def accumulate(self, previous: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
+        return observed
+
+    def score(self, entries: LayerEntries) -> torch.Tensor:
+        return entries.attention
+
+
+@dataclass
+class SnapKV(ScorePolicy):
+    """Attention of the latest observation window, pooled over neighbouring positions."""
+
+    name = "snapkv"
+    kernel_size: int = 5
+
+    def accumulate(self, previous: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
+        return observed
+
+    def score(self, entries: LayerEntries) -> torch.Tensor:
+        return _pool(entries.attention, entries.positions, self.kernel_size, "avg")
+
+
+@dataclass
+class KNorm(ScorePolicy):
+    """Keys with a small norm draw more attention (kvpress' Knorm)."""
+
+    name = "knorm"
+    uses_attention = False
+    uses_keys = True
+
+    def score(self, entries: LayerEntries) -> torch.Tensor:
+        return -entries.keys.float().norm(dim=-1).mean(dim=0)
+
+
+@dataclass
+class Random(ScorePolicy):
+    name = "random"
+    uses_attention = False
+
+    def score(self, entries: LayerEntries) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(entries.seed * 1_000_003 + entries.layer * 7919 + entries.position)
+        return torch.rand(entries.positions.numel(), generator=generator).to(entries.positions.device)
+
+
+@dataclass
+class Dynamic(ScorePolicy):
+    """Future value, averaged over neighbours, raised for tokens sampled in doubt; its thresholds decide.
+
+    The future value is the attention the value predictor expects over the coming window when it
+    ran, else the decayed observed attention: old observations fade (`decay` per observation), so
+    entries that mattered once but no longer do can leave. Averaging over 7 neighbours ranks runs
+    of attended tokens (a fact spans a sentence) above an isolated peak and its neighbours: at 4-7k
+    tokens it keeps the needles that the maximum over 3 (the earlier default) lost, and at 1-2k it
+    is closer to the full cache at the same bytes (docs/design.md). Tokens the model sampled with
+    low confidence mark points where the text could have gone another way; they get up to
+    `doubt_weight` more.
+    Its retention confidence is the calibrated probability that an entry or an adjacent token is
+    needed (`confkv.compress.predictor.calibration`). With `thresholds_decide` the thresholds set how
+    many bytes the request holds, under the rate's ceiling, judged every `prediction_refresh`
+    compressions, and its layers spend them as a rate does; without a fitted calibration the rate
+    alone decides.
+    """
+
+    name = "dynamic"
+    uses_tiers = True
+    uses_predictor = True
+    thresholds_decide: bool = True  # a field here: requests may turn it off (policy_options)
+    decay: float = 0.95  # per observation
+    kernel_size: int = 7
+    pooling: Literal["avg", "max"] = "avg"  # over `kernel_size` neighbours in the text
+    retention_kernel: int = 3  # the thresholds judge an entry with its neighbours: the likeliest of this many
+    doubt_weight: float = 0.5
+    confident_extra_rate: float = 0.1  # share of the remaining bytes also removed while the model is confident
+
+    def accumulate(self, previous: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
+        return self.decay * previous + observed
+
+    def doubt(self, token_confidence: torch.Tensor) -> torch.Tensor:
+        """How much a token's value is raised: 1 for a sure token, up to 1 + doubt_weight."""
+        return 1.0 + self.doubt_weight * (1.0 - token_confidence)
+
+    def score(self, entries: LayerEntries) -> torch.Tensor:
+        return self._pooled(entries, self.kernel_size, self.pooling)
+
+    def retention(self, entries: LayerEntries) -> torch.Tensor | None:
+        """P(needed) of the entry's or an adjacent token's value (the maximum over `retention_kernel`),
+        over the average held entry's. Judged apart from the ranking's pooling: the thresholds size the
+        request, the ranking chooses what fills it, and averaging (which ranks runs of attended tokens
+        higher) would lower an isolated peak's confidence and give up bytes."""
+        calibration = entries.calibration
+        if not self.thresholds_decide or calibration is None:
+            return None
+        average = calibration.average(entries.value)
+        if average <= 0.0:
+            return None  # nothing observed yet: the rate decides
+        return calibration(self._pooled(entries, self.retention_kernel, "max") / average)
+
+    def _pooled(self, entries: LayerEntries, kernel: int, kind: Literal["avg", "max"]) -> torch.Tensor:
+        return _pool(entries.value, entries.positions, kernel, kind) * self.doubt(entries.token_confidence)
+
+    def target_rate(self, rate: float, recent_confidence: list[float]) -> float:
+        """Confident (mean top-token probability above 0.5), remove up to `confident_extra_rate` of
+        what the rate leaves; unsure, keep all the rate allows."""
+        if not recent_confidence:
+            return rate
+        confident = min(1.0, max(0.0, (sum(recent_confidence) / len(recent_confidence) - 0.5) / 0.5))
+        return rate + self.confident_extra_rate * (1.0 - rate) * confident
+
+
+def _pool(x: torch.Tensor, positions: torch.Tensor, kernel: int, kind: Literal["avg", "max"]) -> torch.Tensor:
+    """`x` pooled over each entry's `kernel` nearest held neighbours in the text. Entries are stored in
+    key order (KEY_ONLY first after a compression), so the pool runs in position order."""
+    if x.numel() < kernel:
+        return x
+    order = torch.argsort(positions)
+    pool = F.max_pool1d if kind == "max" else F.avg_pool1d
+    pooled = pool(x[order].view(1, 1, -1), kernel, stride=1, padding=kernel // 2).view(-1)[: x.numel()]
+    return torch.empty_like(pooled).index_copy_(0, order, pooled)
+
+
+def make_policy(name: str, options: dict[str, Any] | None = None) -> ScorePolicy:
+    """The registered policy `name` with `options` over its defaults; unknown names or options raise."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}: use one of {', '.join(policy_names())}")
+    known = [f.name for f in fields(POLICIES[name])]
+    unknown = sorted(set(options or {}) - set(known))
+    if unknown:
+        takes = ", ".join(known) if known else "none"
+        raise ValueError(f"policy {name!r} has no option {', '.join(map(repr, unknown))} (its options: {takes})")
+    return _adapter(POLICIES[name]).validate_python(options or {})  # checks the options' types
+
+
+@cache
+def _adapter(policy: type[ScorePolicy]) -> TypeAdapter:
+    return TypeAdapter(policy)
+
+
+def policy_names() -> tuple[str, ...]:
+    """What `policy` accepts: `none` (no compression) and every registered policy."""
+    return (NO_COMPRESSION, *POLICIES)

@@ -1,0 +1,188 @@
+"""Runs `LLMEngine` on its own thread and gives the asyncio side per-request output streams.
+
+The HTTP side never touches the engine: it sends commands (add, abort, snapshot) through a
+thread-safe inbox and reads `RequestOutput`s from an asyncio queue per request. A request whose consumer goes away
+(client disconnect, cancelled task) is aborted and its KV memory is returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import torch
+
+from confkv.compress.config import CompressionParams
+from confkv.engine.llm_engine import EngineSnapshot, LLMEngine, StepStats
+from confkv.engine.outputs import RequestOutput
+from confkv.engine.sequence import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """A request refused because the engine loop has stopped; the server needs a restart. (Requests
+    in flight when it stops get a final output with the error instead.)"""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    compression: CompressionParams | None
+    loop: asyncio.AbstractEventLoop
+    stream: asyncio.Queue
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Snapshot:
+    answer: concurrent.futures.Future
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[StepStats], None] | None = None) -> None:
+        self.llm_engine = engine
+        self.on_step = on_step
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.error: BaseException | None = None
+        # Unix time of the loop's last pass; it stops moving when a step hangs or the loop dies.
+        self.heartbeat = time.time()
+        self._last_snapshot = engine.snapshot()
+
+    # ----- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._inbox.put(None)  # wake the loop
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def snapshot(self, timeout: float = 0.2) -> EngineSnapshot:
+        """The engine's accounting, taken by the loop between two steps. When the loop is inside a
+        step longer than `timeout` (a long prefill), the answer is the last snapshot it took, for an
+        earlier caller: scrapes stay fast, one scrape behind. A stopped loop's engine is read here."""
+        if self._thread is None or not self._thread.is_alive():
+            self._last_snapshot = self.llm_engine.snapshot()  # no other thread touches the engine
+            return self._last_snapshot
+        query = _Snapshot(concurrent.futures.Future())
+        self._inbox.put(query)
+        with contextlib.suppress(concurrent.futures.TimeoutError):
+            return query.answer.result(timeout)
+        return self._last_snapshot
+
+    # ----- requests ----------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        compression: CompressionParams | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        if not self.is_running:
+            raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
+        request_id = request_id or uuid.uuid4().hex
+        stream: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self._streams[request_id] = (loop, stream)
+        self._inbox.put(_Add(request_id, prompt_token_ids, params, compression, loop, stream))
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._inbox.put(_Abort(request_id))
+
+    # ----- the loop thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while not self._stopping.is_set():
+                    self.heartbeat = time.time()
+                    self._drain_inbox(block=not self.llm_engine.has_unfinished())
+                    if self.llm_engine.has_unfinished():
+                        outputs = self.llm_engine.step()
+                        self._dispatch(outputs)
+                        if self.on_step and self.llm_engine.last_step:
+                            self.on_step(self.llm_engine.last_step)
+        except BaseException as exc:  # the loop must never die silently
+            log.exception("engine loop crashed")
+            self.error = exc
+            for request_id, (loop, stream) in list(self._streams.items()):
+                _send(loop, stream, self._lost(request_id, f"engine loop crashed: {exc!r}; restart the server"))
+            self._streams.clear()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(item, _Add):
+                self._add(item)
+            elif isinstance(item, _Abort):
+                self._streams.pop(item.request_id, None)
+                self.llm_engine.abort(item.request_id)
+            elif isinstance(item, _Snapshot):
+                self._last_snapshot = self.llm_engine.snapshot()
+                item.answer.set_result(self._last_snapshot)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, cmd: _Add) -> None:
+        try:
+            self.llm_engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.compression)
+        except Exception as exc:  # a bad request fails alone
+            self._streams.pop(cmd.request_id, None)
+            _send(cmd.loop, cmd.stream, exc)
+
+    def _lost(self, request_id: str, error: str) -> RequestOutput:
+        """The final output of a request in flight when the loop stopped: it failed, with what it had."""
+        seq = self.llm_engine.outputs.requests.get(request_id)
+        prompt, completion = (seq.num_prompt_tokens, len(seq.output_token_ids)) if seq is not None else (0, 0)
+        return RequestOutput(request_id, [], "", True, "error", prompt, completion, error=error)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            target = self._streams.get(out.request_id)
+            if target is None:
+                continue  # consumer already gone
+            if out.finished:
+                del self._streams[out.request_id]
+            _send(*target, out)
+
+
+def _send(loop: asyncio.AbstractEventLoop, stream: asyncio.Queue, item: object) -> None:
+    # RuntimeError: the consumer's event loop is closed (shutdown), nobody is left to tell.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(stream.put_nowait, item)

@@ -1,0 +1,623 @@
+"""The KV cache of every sequence, in blocks of one pool per storage format, against one byte budget.
+
+The store is the account and the lifecycle; its parts each hold one concern:
+
+- `confkv.kv.block_tables`: the running slots' block tables (three per layer: keys, FULL
+  values, KEY_ONLY values; `confkv.kv.kv_layout`), parked caches, and how a rebuild keeps blocks;
+- `confkv.kv.step_plan`: one forward pass's writes and decode reads over those tables;
+- `confkv.kv.channel_keys`: keys stored per channel (int4c, "kivi4"), whose blocks are encoded whole;
+- `confkv.kv.entry_stats`: what is known of each entry beside its key and value (position,
+  observed attention, the predictor's history).
+
+Compaction (`compact`) writes the surviving entries into fresh blocks and gives the old ones back;
+the leading blocks it leaves unchanged are kept as they are. A finished sequence is parked (its
+tables leave the slot, its blocks stay) and a later one adopts a prefix of it by sharing whole
+blocks by reference: only a partial last block is copied, since the adopter appends after it.
+Compaction, adoption and truncation all go through one rebuild (`_rebuild`).
+
+The budget counts every block in use, once however many tables share it, at its full size: waste
+is at most one partial block per table. The blocks live in one arena allocated at start-up
+(`confkv.kv.arena`), lent in pages to each format's pool: every allocation is checked against
+both the budget and the arena's pages before anything changes. A running slot's bookkeeping is
+allocated with the slots and not counted; a parked cache's (its tables, positions and key norms)
+grows with what the prefix cache holds, so it is counted with the parked blocks. The file is over
+300 lines because the rebuild and the account it checks belong together.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import psutil
+import torch
+
+from confkv.kv.arena import Arena
+from confkv.kv.block_pool import BlockPool, Codec
+from confkv.kv.block_tables import BlockTables, Keep, ParkedKV, held_before, interleave, plan_rebuild
+from confkv.kv.channel_keys import ChannelKeys
+from confkv.kv.entry_stats import PARKED, EntryStats
+from confkv.kv.kv_layout import (
+    BLOCK_SIZE,
+    KEY_ONLY,
+    KEYS,
+    VALUES,
+    as_tensor,
+    blocks_for,
+    entry_rows,
+    rows_tensor,
+)
+from confkv.kv.paged_attention import DecodeBatch
+from confkv.kv.quant import random_rotation
+from confkv.kv.step_plan import KeyBasis, StepPlan, StepPlanner
+from confkv.models.loader import KVShape
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+def memory_for_cache(device: torch.device) -> int:
+    """Bytes a max_cache_size percentage is a share of. On CUDA, what is free for the cache now: the
+    device's free memory plus what torch's allocator holds unused, less the peak it has allocated
+    (so the activations of the largest forward pass seen keep their room; call it after the weights
+    are loaded and a warm-up forward). Elsewhere the system's memory."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(0, free + torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device))
+    return psutil.virtual_memory().total
+
+
+class KVBudgetExceeded(RuntimeError):
+    """Raised when a reservation would take the store past its byte budget."""
+
+
+@dataclass
+class LayerKV:
+    """One layer of one sequence: its counts, and views of its bookkeeping (indexed in key order)."""
+
+    length: int
+    num_key_only: int
+    positions: torch.Tensor  # [capacity] token positions
+    attention: torch.Tensor  # [capacity] float32 attention observed by the scoring policy
+    observed: torch.Tensor | None  # [history_steps, capacity] fp16: the predictor's latest observations
+    key_norm: torch.Tensor | None  # [capacity] fp16, mean over heads, taken before quantisation
+    forecast: torch.Tensor | None  # [capacity] float32 predicted future attention, NaN until predicted
+
+    @property
+    def num_full(self) -> int:
+        return self.length - self.num_key_only
+
+
+@dataclass
+class LayerView:
+    """A layer's entries gathered and dequantised: for prefill chunks, scoring and audits."""
+
+    keys: torch.Tensor  # [kv_heads, length, head_dim], compute dtype
+    values: torch.Tensor  # [kv_heads, num_full, head_dim]
+    key_only_values: torch.Tensor | None  # [kv_heads, num_key_only, head_dim]
+    num_key_only: int
+
+
+class KVStore:
+    """The KV cache of every running sequence, and the byte account over all of it."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_bytes: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        storage: torch.dtype | str | None = None,
+        key_only_bits: int = 4,
+        history_steps: int = 0,
+        block_size: int = BLOCK_SIZE,
+        key_rotation: bool = True,
+    ) -> None:
+        """`key_rotation`: store quantised keys in a rotated basis (`confkv.kv.quant`)."""
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.max_bytes = max_bytes
+        self.dtype = dtype  # the model's dtype: what attention computes in
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.basis = KeyBasis(random_rotation(head_dim).to(self.device) if key_rotation else None)
+        self.codec = self.make_codec(storage)  # the default storage precision
+        # All the KV memory, allocated once: every format's pool borrows its pages.
+        self.arena = Arena.for_budget(max_bytes, num_kv_heads * block_size * head_dim * 4, self.device)
+        self.pools: dict[str, BlockPool] = {}
+        self.key_only_pool = self._pool(Codec(f"int{key_only_bits}", head_dim))
+        self.evicted_entries: Counter[str] = Counter()  # (layer, token) entries removed, by reason
+        self._storage: dict[int, Codec] = {}  # sequences stored at another precision than the default
+        self.channel_keys = ChannelKeys(num_layers, block_size, dtype, self.device)  # int4c keys' writes
+        self.tables = BlockTables(num_layers, block_size)  # the running sequences' block tables
+        self.steps = StepPlanner(self.tables, self.channel_keys, self.basis, self.device)
+        self.stats = EntryStats(num_layers, history_steps, self.device)  # what is known of every entry
+        self.parked_bookkeeping_bytes = 0  # of the parked caches alive
+        # Frees one parked cache (the prefix cache's eviction); True if there was one. A compaction whose
+        # fresh blocks find no page asks it, as parked caches that share a sequence's blocks are what
+        # hold the pages then.
+        self.reclaim: Callable[[], bool] | None = None
+
+    @classmethod
+    def for_model(
+        cls,
+        model: PreTrainedModel,
+        max_bytes: int,
+        key_only_bits: int,
+        history_steps: int = 0,
+        key_rotation: bool = True,
+    ) -> KVStore:
+        """A store shaped for `model`'s KV cache, on its device and computing in its dtype."""
+        shape = KVShape.of(model.config)
+        return cls(
+            num_layers=shape.num_layers,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            max_bytes=max_bytes,
+            dtype=model.dtype,
+            device=next(model.parameters()).device,
+            key_only_bits=key_only_bits,
+            history_steps=history_steps,
+            key_rotation=key_rotation,
+        )
+
+    def make_codec(self, storage: torch.dtype | str | None) -> Codec:
+        """A codec for `storage`: None or "auto" is the model's dtype; a float dtype name; "int8"; "int4";
+        "kivi4" (keys int4 per channel, values int4 per token)."""
+        if storage is None or storage == "auto":
+            storage = self.dtype
+        elif storage == "kivi4":
+            storage = "int4c"
+        elif isinstance(storage, str) and not storage.startswith("int"):
+            storage = getattr(torch, storage)
+        return Codec(storage, self.head_dim, self.block_size)
+
+    def set_storage(self, seq_id: int, storage: torch.dtype | str | None) -> None:
+        """Store this sequence's FULL entries at `storage` (before its first reservation)."""
+        self._storage[seq_id] = self.make_codec(storage)
+
+    def codec_of(self, seq_id: int) -> Codec:
+        return self._storage.get(seq_id, self.codec)
+
+    # ----- sizes -------------------------------------------------------------------------
+    def entry_bytes(self, codec: Codec | None = None) -> tuple[int, int]:
+        """Bytes of one (token, layer) entry: FULL, and KEY_ONLY (key as stored, value quantised)."""
+        codec = codec or self.codec
+        key = codec.vector_bytes
+        full = self.num_kv_heads * (key + codec.values.vector_bytes)
+        return full, self.num_kv_heads * (key + self.key_only_pool.codec.vector_bytes)
+
+    def value_errors(self, codec: Codec | None = None) -> tuple[float, float]:
+        """Relative error of a FULL value and of a KEY_ONLY value as stored (`Codec.relative_error`)."""
+        return (codec or self.codec).values.relative_error, self.key_only_pool.codec.relative_error
+
+    @property
+    def model_token_bytes(self) -> int:
+        """Bytes of one token over all layers in an uncompressed cache at the model's dtype."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
+
+    def block_bytes(self, codec: Codec | None = None) -> int:
+        return self.num_kv_heads * self.block_size * (codec or self.codec).vector_bytes
+
+    def table_blocks_bytes(self, codec: Codec | None = None) -> int:
+        """Bytes of one block of each of a layer's tables (keys, values, key-only values)."""
+        codec = codec or self.codec
+        return self.block_bytes(codec) + self.block_bytes(codec.values) + self.key_only_pool.block_bytes
+
+    def bytes_for(self, num_tokens: int, codec: Codec | None = None) -> int:
+        """Bytes a new sequence of `num_tokens` FULL tokens takes, whole blocks included."""
+        codec = codec or self.codec
+        blocks = self.num_layers * blocks_for(num_tokens, self.block_size)
+        return blocks * (self.block_bytes(codec) + self.block_bytes(codec.values))
+
+    @property
+    def used_bytes(self) -> int:
+        """Every block in use, running or parked, and the parked caches' bookkeeping."""
+        blocks = sum(pool.used_blocks * pool.block_bytes for pool in self.pools.values())
+        return blocks + self.parked_bookkeeping_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        """The memory the cache's blocks live in (the arena): allocated at start, whatever is in use."""
+        return self.arena.nbytes
+
+    @property
+    def touched_bytes(self) -> int:
+        """The arena's pages ever lent: on CPU, the part of it that is resident memory."""
+        return self.arena.touched_bytes
+
+    @property
+    def running_bytes(self) -> int:
+        """Bytes of the distinct blocks that running sequences hold."""
+        held = self.tables.running_blocks().values()
+        return sum(len(np.unique(np.concatenate(blocks))) * pool.block_bytes for pool, blocks in held)
+
+    @property
+    def parked_bytes(self) -> int:
+        """Blocks that only parked caches (the prefix cache) hold, and their bookkeeping."""
+        return self.used_bytes - self.running_bytes
+
+    @property
+    def pool_bytes(self) -> dict[str, int]:
+        """The arena's memory each storage format's pool holds (its pages), in use or free."""
+        return {name: pool.capacity_bytes for name, pool in self.pools.items()}
+
+    @property
+    def free_bytes(self) -> int:
+        return self.max_bytes - self.used_bytes
+
+    def seq_bytes(self, seq_id: int) -> int:
+        """Bytes of every block this sequence's tables hold (shared ones too)."""
+        slot = self.tables.slot_of.get(seq_id)
+        if slot is None:
+            return 0
+        return int(self.layer_bytes(seq_id).sum())
+
+    def layer_bytes(self, seq_id: int) -> np.ndarray:
+        """Bytes of the blocks each layer of this sequence holds [layers]: what it costs, whole blocks counted."""
+        slot = self.tables.slot_of[seq_id]
+        block_bytes = np.array([pool.block_bytes for pool in self.tables.pools[slot]])
+        return (self.tables.num_blocks[:, :, slot] * block_bytes[:, None]).sum(axis=0)
+
+    def seq_length(self, seq_id: int, layer: int = 0) -> int:
+        slot = self.tables.slot_of.get(seq_id)
+        return int(self.tables.lengths[layer, slot]) if slot is not None else 0
+
+    def layer(self, seq_id: int, layer_idx: int) -> LayerKV:
+        slot = self.tables.slot_of[seq_id]
+        meta = self.stats.of(layer_idx, slot)
+        return LayerKV(
+            length=int(self.tables.lengths[layer_idx, slot]),
+            num_key_only=int(self.tables.key_only[layer_idx, slot]),
+            positions=meta["positions"],
+            attention=meta["attention"],
+            observed=meta.get("observed"),
+            key_norm=meta.get("key_norm"),
+            forecast=meta.get("forecast"),
+        )
+
+    def entry_counts(self) -> dict[str, int]:
+        """(layer, token) entries held, by tier, over every running sequence."""
+        slots = list(self.tables.slot_of.values())
+        total, key_only = int(self.tables.lengths[:, slots].sum()), int(self.tables.key_only[:, slots].sum())
+        return {"full": total - key_only, "key_only": key_only}
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self.tables.slot_of
+
+    def __len__(self) -> int:
+        return len(self.tables.slot_of)
+
+    # ----- lifecycle ---------------------------------------------------------------------
+    def reserve(self, seq_id: int, num_new: int) -> None:
+        """Make room for `num_new` more FULL tokens in every layer of a sequence, or raise.
+
+        All-or-nothing: either every layer has room afterwards or nothing changed.
+        """
+        created = seq_id not in self.tables.slot_of
+        slot = self._open_slot(seq_id) if created else self.tables.slot_of[seq_id]
+        pools = self.tables.pools[slot]
+        lengths = self.tables.lengths[:, slot]
+        need_keys = blocks_for(lengths + num_new, self.block_size) - self.tables.num_blocks[KEYS, :, slot]
+        need_values = blocks_for(lengths - self.tables.key_only[:, slot] + num_new, self.block_size)
+        need_values -= self.tables.num_blocks[VALUES, :, slot]
+        needed = int(need_keys.clip(0).sum()) * pools[KEYS].block_bytes
+        needed += int(need_values.clip(0).sum()) * pools[VALUES].block_bytes
+        blocks = [(pools[KEYS], int(need_keys.clip(0).sum())), (pools[VALUES], int(need_values.clip(0).sum()))]
+        if needed > self.free_bytes or not self._arena_fits(blocks):
+            if created:
+                self.tables.close(seq_id)
+            raise KVBudgetExceeded(
+                f"sequence {seq_id} needs {needed} more KV bytes; {self.free_bytes} of {self.max_bytes} are free"
+                + ("" if needed > self.free_bytes else ", but the arena's pages are held by other storage formats")
+            )
+        self._fit(int(lengths.max()) + num_new)
+        for kind, need in ((KEYS, need_keys), (VALUES, need_values)):
+            for layer in np.flatnonzero(need > 0):
+                self.tables.extend(kind, int(layer), slot, pools[kind].allocate(int(need[layer])))
+
+    def begin_step(self, segments: list, positions: torch.Tensor) -> StepPlan:
+        """Plan a forward pass of these segments (`Segment`s, room reserved, at `positions`): where
+        each new entry goes in every layer, and the decode rows. The entries count as held from here on."""
+        plan = self.steps.plan(segments, list(self.pools.values()), self._pool)
+        self.stats.written(plan.token_slot, plan.key_index, positions)
+        return plan
+
+    def write(self, layer: int, plan: StepPlan, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store the step's new keys and values of one layer (each [kv_heads, tokens, head_dim])."""
+        self.steps.write(layer, plan, keys, values)
+        self.stats.note_key_norms(layer, plan.token_slot, plan.key_index[layer], keys)
+
+    def decode_batch(self, layer: int, plan: StepPlan, query: torch.Tensor, scale: float) -> DecodeBatch:
+        """The decode kernel's view of one layer for the plan's decode rows (query [rows, heads, D])."""
+        return self.steps.decode_batch(layer, plan, query, scale, self.key_only_pool)
+
+    def observe(
+        self,
+        layer: int,
+        seq_ids: list[int],
+        rows: torch.Tensor,
+        accumulate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
+        """Fold one decode query's attention per sequence (rows [sequences, width], zero past each
+        one's entries) into their observed attention by `accumulate`, and into the predictor's
+        history. Past its entries a row's bookkeeping is scratch: a write resets it."""
+        slots = torch.tensor([self.tables.slot_of[s] for s in seq_ids], device=self.device)
+        self.stats.observe(layer, slots, rows, accumulate)
+
+    def view(self, seq_id: int, layer_idx: int) -> LayerView:
+        """Keys and values held by one layer of one sequence, gathered and dequantised."""
+        slot = self.tables.slot_of[seq_id]
+        n, n_ko = int(self.tables.lengths[layer_idx, slot]), int(self.tables.key_only[layer_idx, slot])
+        pools = self.tables.pools[slot]
+
+        def read(kind: int, count: int) -> torch.Tensor:
+            rows = self._rows(self.tables.leading_rows(kind, layer_idx, slot, count))
+            return pools[kind].tensors().read(rows, self.dtype)
+
+        keys = read(KEYS, n)
+        if self.basis.turns(pools[KEYS]):
+            keys = self.basis.unturn(keys)
+        return LayerView(keys, read(VALUES, n - n_ko), read(KEY_ONLY, n_ko) if n_ko else None, n_ko)
+
+    def positions(self, seq_id: int, layer_idx: int) -> torch.Tensor:
+        slot = self.tables.slot_of[seq_id]
+        return self.stats.rows["positions"][layer_idx, slot, : self.tables.lengths[layer_idx, slot]]
+
+    def compact(self, seq_id: int, keep: dict[int, Keep]) -> int:
+        """Rebuild the given layers holding only the entries they keep; return bytes freed.
+
+        A layer's `key_only` may name KEY_ONLY entries (kept as they are) and FULL ones (their values
+        are quantised now); `full` may name FULL entries only, since a quantised value cannot be
+        restored. Entries named in neither are dropped.
+        """
+        slot = self.tables.slot_of[seq_id]
+        layers = list(keep)
+        before, held = self.used_bytes, int(self.tables.lengths[layers, slot].sum())
+        self._rebuild(slot, self._snapshot(slot), keep, charge=False)
+        self.evicted_entries["compression"] += held - int(self.tables.lengths[layers, slot].sum())
+        return before - self.used_bytes
+
+    # ----- parked caches (the prefix cache's pool) -----------------------------------------
+    def park(self, seq_id: int) -> ParkedKV | None:
+        """Take a finished sequence's cache out of the running slots; its blocks stay held."""
+        self._storage.pop(seq_id, None)
+        if seq_id not in self.tables.slot_of:
+            return None
+        slot = self.tables.slot_of[seq_id]
+        parked = self._snapshot(slot, PARKED)
+        self.parked_bookkeeping_bytes += parked.bookkeeping_bytes
+        self.tables.num_blocks[:, :, slot] = 0  # the references move to the parked cache
+        self.tables.close(seq_id)
+        return parked
+
+    def share(self, seq_id: int) -> ParkedKV | None:
+        """A parked copy of a running sequence's cache that leaves the sequence running: whole
+        blocks are shared by reference, each table's partial last block is copied (the sequence
+        goes on writing into its own). None when the copies do not fit in the budget."""
+        slot = self.tables.slot_of[seq_id]
+        parked = self._snapshot(slot, PARKED)
+        counts = (parked.lengths, parked.lengths - parked.key_only, parked.key_only)  # entries per table kind
+        pools = self.tables.pools[slot]
+        partial = {(kind, int(layer)) for kind in range(3) for layer in np.flatnonzero(counts[kind] % self.block_size)}
+        if sum(pools[kind].block_bytes for kind, _ in partial) + parked.bookkeeping_bytes > self.free_bytes:
+            return None
+        if not self._arena_fits([(pools[kind], 1) for kind, _ in partial]):
+            return None
+        self.parked_bookkeeping_bytes += parked.bookkeeping_bytes
+        copies: dict[int, list[tuple[int, int]]] = {}  # pool -> (block, its copy) pairs
+        for kind, layers in enumerate(parked.tables):
+            for layer, table in enumerate(layers):
+                if (kind, layer) in partial:
+                    old, (table[-1],) = int(table[-1]), pools[kind].allocate(1)
+                    copies.setdefault(id(pools[kind]), []).append((old, int(table[-1])))
+                    pools[kind].ref(table[:-1].tolist())
+                else:
+                    pools[kind].ref(table.tolist())
+        for pool in {id(p): p for p in pools}.values():
+            if pairs := copies.get(id(pool)):
+                pool.copy_blocks(*(as_tensor(np.array(ids), self.device) for ids in zip(*pairs, strict=True)))
+        return parked
+
+    def reclaimable_bytes(self, parked: list[ParkedKV]) -> int:
+        """Bytes that discarding every cache of `parked` would free: the blocks nobody else holds
+        (running sequences and other parked caches keep theirs), and the caches' bookkeeping."""
+        held: dict[int, tuple[BlockPool, list[np.ndarray]]] = {}
+        for kv in parked:
+            for pool, layers in zip(self._pools_of(kv.codec), kv.tables, strict=True):
+                held.setdefault(id(pool), (pool, []))[1].extend(layers)
+        freed = 0
+        for pool, tables in held.values():
+            blocks, counts = np.unique(np.concatenate(tables), return_counts=True)
+            refs = np.fromiter((pool.refs[b] for b in blocks.tolist()), dtype=np.int64, count=len(blocks))
+            freed += int((refs == counts).sum()) * pool.block_bytes
+        return freed + sum(kv.bookkeeping_bytes for kv in parked)
+
+    def discard(self, parked: ParkedKV) -> int:
+        """Give back a parked cache's references; return the bytes that became free."""
+        before = self.used_bytes
+        self._unref_tables(self._pools_of(parked.codec), parked.tables)
+        self.parked_bookkeeping_bytes -= parked.bookkeeping_bytes
+        self.evicted_entries["prefix_cache"] += int(parked.lengths.sum())
+        return before - self.used_bytes
+
+    def adopt(self, seq_id: int, parked: ParkedKV, num_tokens: int) -> None:
+        """Start sequence `seq_id` from the entries of `parked` at positions < num_tokens.
+
+        Whole blocks are shared; what the new sequence will write into (a partial last block) and
+        any table whose held entries are not a prefix of the parked one are copied. Raises
+        KVBudgetExceeded (holding nothing) when the copies do not fit.
+        """
+        self._storage[seq_id] = parked.codec
+        slot = self._open_slot(seq_id)
+        self._fit(int(parked.lengths.max()))
+        try:
+            self._rebuild(slot, parked, held_before(parked, num_tokens))
+        except KVBudgetExceeded:
+            self.free(seq_id)
+            raise
+        self.stats.forget_observations(slot)
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Forget a running sequence's entries at positions >= num_tokens (tokens it decoded only to
+        look ahead); they do not count as evicted."""
+        slot = self.tables.slot_of[seq_id]
+        source = self._snapshot(slot)
+        self._rebuild(slot, source, held_before(source, num_tokens), charge=False)
+
+    def free(self, seq_id: int, preempted: bool = False) -> int:
+        """Drop a sequence's cache and return the bytes that became free.
+
+        A `preempted` sequence will be recomputed: its storage precision is remembered and its
+        entries count as evicted.
+        """
+        if not preempted:
+            self._storage.pop(seq_id, None)
+        slot = self.tables.slot_of.get(seq_id)
+        if slot is None:
+            return 0
+        if preempted:
+            self.evicted_entries["preemption"] += int(self.tables.lengths[:, slot].sum())
+        before = self.used_bytes
+        self._unref_tables(self.tables.pools[slot], self.tables.copies(slot))
+        self.tables.num_blocks[:, :, slot] = 0
+        self.tables.close(seq_id)
+        return before - self.used_bytes
+
+    # ----- internals ---------------------------------------------------------------------
+    def _pool(self, codec: Codec) -> BlockPool:
+        if codec.name not in self.pools:
+            self.pools[codec.name] = BlockPool(codec, self.num_kv_heads, self.block_size, self.arena)
+        return self.pools[codec.name]
+
+    def _pools_of(self, codec: Codec) -> tuple[BlockPool, BlockPool, BlockPool]:
+        """The pools of a sequence stored at `codec`, by table kind."""
+        return self._pool(codec), self._pool(codec.values), self.key_only_pool
+
+    def _open_slot(self, seq_id: int) -> int:
+        slot = self.tables.open(seq_id, self._pools_of(self.codec_of(seq_id)))
+        if self.stats.num_slots < self.tables.num_slots:
+            self.stats.grow(self.tables.num_slots, self.stats.capacity)
+            self.channel_keys.grow(self.tables.num_slots)
+        if self.tables.pools[slot][KEYS].codec.per_channel:
+            self.channel_keys.need(self.tables.num_slots, self.num_kv_heads, self.head_dim)
+        return slot
+
+    def _fit(self, entries: int) -> None:
+        """Room for `entries` in every table row and bookkeeping row."""
+        self.tables.fit(entries)
+        if entries > self.stats.capacity:
+            self.stats.grow(self.tables.num_slots, max(entries, 2 * self.stats.capacity))
+
+    def _rows(self, rows: np.ndarray) -> torch.Tensor:
+        return as_tensor(rows, self.device)
+
+    def _snapshot(self, slot: int, own: dict[str, torch.dtype] | None = None) -> ParkedKV:
+        """A running slot's cache as a parked one holds it: tables copied, bookkeeping as views of the
+        slot's rows, or only the rows named in `own`, copied at their dtype up to the longest layer,
+        to outlive the slot."""
+        return ParkedKV(
+            codec=self.tables.pools[slot][KEYS].codec,
+            tables=self.tables.copies(slot),
+            lengths=self.tables.lengths[:, slot].copy(),
+            key_only=self.tables.key_only[:, slot].copy(),
+            meta=self.stats.snapshot(slot, int(self.tables.lengths[:, slot].max()), own),
+        )
+
+    def _rebuild(self, slot: int, source: ParkedKV, keep: dict[int, Keep], charge: bool = True) -> None:
+        """Make the given layers of `slot` hold the entries of `source` they keep: KEY_ONLY first, then FULL.
+
+        Each new table starts with the longest run of the source table's entries it keeps in place;
+        the whole blocks of that run are shared, the rest is written into fresh blocks. Every layer
+        is done at once: one read and one write per table kind, whatever the number of layers.
+        Everything is read before anything the slot held is let go. With `charge` the fresh blocks
+        must fit in the budget; compaction does not check it, since it only ever gives bytes back, up
+        to one block of rounding per table. Either way they must fit in the arena's pages, counting
+        those the rebuild lets go of first (a newly KEY_ONLY value may need a page of another format):
+        else KVBudgetExceeded, nothing changed. int4c keys are read as keys and their fresh blocks
+        encoded anew (their parameters are the blocks').
+        """
+        if not keep:
+            return
+        bs, pools = self.block_size, self._pools_of(source.codec)
+        per_channel = pools[KEYS].codec.per_channel
+        layers, orders, layouts, reads, demoted = plan_rebuild(source, keep, bs)
+        encoded = [pools[kind].read_encoded(rows_tensor(reads[kind], self.device)) for kind in range(per_channel, 3)]
+        if per_channel:
+            encoded.insert(KEYS, (pools[KEYS].tensors().read(rows_tensor(reads[KEYS], self.device), self.dtype), None))
+        key_only_pool = pools[KEY_ONLY]
+        if any(rows.size for rows in demoted):
+            values = pools[VALUES].tensors().read(rows_tensor(demoted, self.device), torch.float32)
+            codes, params = key_only_pool.codec.encode(values.transpose(0, 1))
+            # Each layer's KEY_ONLY table: the entries it kept, then those it demoted.
+            merged = interleave([len(rows) for rows in reads[KEY_ONLY]], [len(rows) for rows in demoted])
+            (old_codes, old_params), index = encoded[KEY_ONLY], as_tensor(merged, self.device)
+            encoded[KEY_ONLY] = (torch.cat((old_codes, codes))[index], torch.cat((old_params, params))[index])
+        if charge:
+            fresh = sum(
+                blocks_for(n, bs) * pools[kind].block_bytes for lay in layouts for kind, (_, n) in enumerate(lay)
+            )
+            if fresh > self.free_bytes:
+                raise KVBudgetExceeded(f"a cached prefix needs {fresh} bytes; {self.free_bytes} are free")
+        while not self._rebuild_fits(slot, pools, layers, layouts):
+            # Never while adopting: the parked cache read from could be the one to go.
+            if charge or self.reclaim is None or not self.reclaim():
+                raise KVBudgetExceeded("the arena's pages are held by other storage formats")
+
+        targets: list[list[np.ndarray]] = [[], [], []]
+        fresh_keys = []  # per layer: the fresh blocks of its keys table
+        for layer, layout in zip(layers, layouts, strict=True):
+            for kind, (shared, n) in enumerate(layout):
+                old = self.tables.held(kind, layer, slot).copy()
+                # What stays is shared first; what goes is given back before fresh blocks are taken (it
+                # was read above), so that a compaction finds room in the blocks it frees.
+                pools[kind].ref(shared.tolist())
+                pools[kind].unref(old.tolist())
+                self.tables.num_blocks[kind, layer, slot] = 0
+                fresh = pools[kind].allocate(blocks_for(n, bs))
+                self.tables.extend(kind, layer, slot, [*shared.tolist(), *fresh])
+                start = len(shared) * bs
+                targets[kind].append(entry_rows(self.tables.ids[kind, layer, slot], np.arange(start, start + n), bs))
+                if kind == KEYS:
+                    fresh_keys.append(np.array(fresh, dtype=np.int64))
+        if per_channel:
+            keys = encoded.pop(KEYS)[0]  # [kv_heads, entries, head_dim]
+            counts = [layout[KEYS][1] for layout in layouts]
+            self.channel_keys.write_fresh(pools[KEYS], slot, layers, fresh_keys, counts, keys)
+        for kind, (codes, params) in enumerate(encoded, start=per_channel):
+            if len(codes):
+                pools[kind].write_encoded(rows_tensor(targets[kind], self.device), codes, params)
+
+        self.stats.copy_kept(slot, source.meta, layers, [order for order, _ in orders])
+        self.tables.lengths[layers, slot] = [len(order) for order, _ in orders]
+        self.tables.key_only[layers, slot] = [n_ko for _, n_ko in orders]
+
+    def _arena_fits(self, blocks: list[tuple[BlockPool, int]]) -> bool:
+        """Can these pools hand out these many more blocks (pools may repeat) from the arena's pages?"""
+        wanted: dict[int, list] = {}
+        for pool, n in blocks:
+            wanted.setdefault(id(pool), [pool, 0])[1] += n
+        pages = sum(pool.pages_needed(n) for pool, n in wanted.values())
+        return pages == 0 or pages <= self.arena.spare_pages(*(pool for pool, _ in wanted.values()))
+
+    def _rebuild_fits(self, slot: int, pools: tuple[BlockPool, ...], layers: list[int], layouts: list) -> bool:
+        """Do a rebuild's fresh blocks fit in the arena, counting the blocks it lets go of first?"""
+        blocks = []
+        for layer, layout in zip(layers, layouts, strict=True):
+            for kind, (shared, n) in enumerate(layout):
+                let_go = self.tables.ids[kind, layer, slot, len(shared) : self.tables.num_blocks[kind, layer, slot]]
+                freed = sum(1 for b in let_go.tolist() if pools[kind].refs[b] == 1)
+                blocks.append((pools[kind], blocks_for(n, self.block_size) - freed))
+        return self._arena_fits(blocks)
+
+    def _unref_tables(self, pools: tuple[BlockPool, ...], tables: list[list[np.ndarray]]) -> None:
+        for pool, layers in zip(pools, tables, strict=True):
+            for blocks in layers:
+                pool.unref(blocks.tolist())

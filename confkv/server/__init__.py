@@ -1,0 +1,1 @@
+"""The HTTP layer: routes (ours and OpenAI's), settings, metrics, the cache inspector's page."""
