@@ -125,13 +125,20 @@ def reference_greedy(model: PreTrainedModel, prompt_ids: list[int], max_tokens: 
 class LiveServer:
     """`serve.py` started as a real process on loopback."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        api_key: str | None = None,
+        launcher: list[str] | None = None,
+        cwd: Path = ROOT,
+    ) -> None:
+        """`launcher`: what starts the server (default: this checkout's serve.py), run in `cwd`."""
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [
-            sys.executable,
-            str(ROOT / "serve.py"),
+            *(launcher or [sys.executable, str(ROOT / "serve.py")]),
             "--host",
             "127.0.0.1",
             "--port",
@@ -143,7 +150,7 @@ class LiveServer:
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"conf-kv-test-{self.port}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            cmd, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
         self._wait_ready()
 

@@ -10,15 +10,13 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
-import time
 import zipfile
 from pathlib import Path
 
 import httpx
 import pytest
 
-from load_tests.monitoring import free_port
-from tests.helpers import ROOT
+from tests.helpers import ROOT, LiveServer
 
 PACKAGE_DATA = (
     "confkv/config/compression.json",
@@ -92,29 +90,15 @@ def test_the_installed_library_api_compresses_a_generation_outside_the_checkout(
 
 
 def test_the_installed_server_starts_serves_and_shows_its_page(scratch, tiny_model_dir, tmp_path):
-    port = free_port()
-    server = [scratch / "bin" / "conf-kv", "--model-path", tiny_model_dir, "--host", "127.0.0.1", "--port", str(port)]
-    with open(tmp_path / "server.log", "w") as log:
-        proc = subprocess.Popen(
-            [*server, "--torch-threads", "1", "--max-cache-size", "64"], cwd=tmp_path, stdout=log, stderr=log
-        )
-    url = f"http://127.0.0.1:{port}"
+    launcher = [str(scratch / "bin" / "conf-kv")]
+    server = LiveServer("--model-path", str(tiny_model_dir), "--max-cache-size", "64", launcher=launcher, cwd=tmp_path)
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
         body = {"prompt": "one two three four five", "max_tokens": 4, "compression_stats": True}
-        response = httpx.post(f"{url}/generate", json=body, timeout=60)
+        response = httpx.post(f"{server.url}/generate", json=body, timeout=60)
         assert response.status_code == 200, response.text
         assert response.json()["compression_metrics"]["original_size"] > 0
-        page = httpx.get(f"{url}/inspect", timeout=10)
+        page = httpx.get(f"{server.url}/inspect", timeout=10)
         assert page.status_code == 200 and "<html" in page.text.lower()
-        assert "kv_cache_bytes" in httpx.get(f"{url}/metrics", timeout=10).text
+        assert "kv_cache_bytes" in httpx.get(f"{server.url}/metrics", timeout=10).text
     finally:
-        proc.terminate()
-        proc.wait(30)
+        server.stop()
