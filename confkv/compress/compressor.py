@@ -277,16 +277,9 @@ class Compressor:
             chunk.audit = decode and self._audits(state)
 
     def on_attention(self, seq_id: int, layer: int, rows: torch.Tensor) -> None:
-        kv = self.store.layer(seq_id, layer)
+        """A prefill chunk's observed queries' attention [queries, entries] over one layer."""
         state = self.states[seq_id]
-        n = kv.length
-        held = kv.attention[:n]
-        held.copy_(state.policy.accumulate(held, rows.sum(dim=0)))
-        if kv.observed is not None:
-            # The predictor's timeline: queries score_interval apart (a decode step brings one).
-            picked = rows.flip(0)[:: state.params.score_interval][: kv.observed.shape[0]].flip(0)
-            recent = kv.observed[:, :n]
-            recent.copy_(torch.cat((recent[picked.shape[0] :], picked.to(recent.dtype))))
+        self.store.observe(layer, [seq_id], rows.unsqueeze(0), state.policy.accumulate, state.params.score_interval)
         for hook in self.hooks.observed:
             hook(seq_id, layer, rows)
 
@@ -297,7 +290,7 @@ class Compressor:
             groups.setdefault(repr(self.states[seq_id].policy), []).append(i)
         for members in groups.values():
             policy = self.states[seq_ids[members[0]]].policy
-            self.store.observe(layer, [seq_ids[i] for i in members], rows[members], policy.accumulate)
+            self.store.observe(layer, [seq_ids[i] for i in members], rows[members].unsqueeze(1), policy.accumulate)
         for hook in self.hooks.observed:
             for seq_id, row in zip(seq_ids, rows, strict=True):
                 hook(seq_id, layer, row[: self.store.seq_length(seq_id, layer)].unsqueeze(0))

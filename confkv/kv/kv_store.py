@@ -327,12 +327,14 @@ class KVStore:
         seq_ids: list[int],
         rows: torch.Tensor,
         accumulate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        interval: int = 1,
     ) -> None:
-        """Fold one decode query's attention per sequence (rows [sequences, width], zero past each
-        one's entries) into their observed attention by `accumulate`, and into the predictor's
-        history. Past its entries a row's bookkeeping is scratch: a write resets it."""
+        """Fold the attention of some queries per sequence (rows [sequences, queries, width], zero past
+        each one's entries) into their observed attention by `accumulate`, and into the predictor's
+        history (queries `interval` apart). Past its entries a row's bookkeeping is scratch: a write
+        resets it."""
         slots = torch.tensor([self.tables.slot_of[s] for s in seq_ids], device=self.device)
-        self.stats.observe(layer, slots, rows, accumulate)
+        self.stats.observe(layer, slots, rows, accumulate, interval)
 
     def view(self, seq_id: int, layer_idx: int) -> LayerView:
         """Keys and values held by one layer of one sequence, gathered and dequantised."""
