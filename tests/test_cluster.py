@@ -129,7 +129,7 @@ def test_cluster_settings_from_flags_env_config_file_and_bounds(monkeypatch, tmp
     config.write_text("cluster:\n  replicas: 4\n  target_kv_usage: 0.5\n")
     from_file = load_settings(["--config", str(config)]).cluster
     assert (from_file.replicas, from_file.target_kv_usage) == (4, 0.5)
-    settings = load_settings(["--ray", "--cluster.replicas", "3", "--confkv.cluster.router", "power_of_two"])
+    settings = load_settings(["--ray", "--cluster.replicas", "3", "--cluster.router", "power_of_two"])
     assert settings.ray and settings.cluster.replicas == 3 and settings.cluster.router == "power_of_two"
     assert not load_settings([]).ray
     monkeypatch.setenv("CONFKV_CLUSTER__IMBALANCE_THRESHOLD", "0.3")
