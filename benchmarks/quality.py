@@ -112,7 +112,7 @@ class Setup:
     key_rotation: bool = True  # the server's: quantised keys stored rotated (False: per token as they are)
     pooling: tuple[str, int] | None = None  # dynamic: its own pooling over neighbours, or (this kind, over this many)
     lookahead: int = 0  # the server's lookahead_tokens: greedy tokens observed before the first compression
-    retention_unit: str = "word"  # what is kept or dropped together: each word (the server's), token, chunks
+    retention_unit: str | None = None  # what is kept or dropped together: the server's own, or token, chunk...
 
 
 @dataclass
@@ -284,7 +284,7 @@ def request_of(setup: Setup, interval: int | None = None) -> dict:
         request["layer_budget"] = setup.layer_budget
     if setup.lookahead:
         request["lookahead_tokens"] = setup.lookahead
-    if setup.retention_unit != "word":
+    if setup.retention_unit is not None:
         request["retention_unit"] = setup.retention_unit
     if options:
         request["policy_options"] = {"dynamic": options}

@@ -312,7 +312,7 @@ def test_kv_store_tiers_account_exactly():
     layer = store.layer(1, 0)
     assert (layer.num_key_only, layer.num_full) == (20, 5)
     # Layer 0: 25 keys (2 int8 blocks), 5 values (1), 20 int4 key-only values (2); layer 1: 40 + 40 (3 + 3).
-    int8, int4 = store.pools["int8"].block_bytes, store.pools["int4"].block_bytes
+    int8, int4 = store.allocator.pools["int8"].block_bytes, store.allocator.pools["int4"].block_bytes
     assert store.used_bytes == store.seq_bytes(1) == (2 + 1 + 3 + 3) * int8 + 2 * int4
     view = store.view(1, 0)  # KEY_ONLY 10..19 were entries 20..29, quantised to 4 bits
     assert torch.allclose(view.key_only_values[:, 10:], -x[:, 20:30], atol=0.5)
@@ -325,7 +325,7 @@ def test_key_only_values_at_two_bits_take_a_quarter_of_a_byte_per_dimension():
     x = torch.randn(2, 40, 16)  # [kv_heads, tokens, head_dim]
     fill_store(store, 1, 40, keys=lambda layer: x)
     store.compact(1, {0: Keep(full=torch.arange(30, 40), key_only=torch.arange(0, 30))})
-    assert store.pools["int2"].codec.width == 4 and store.entry_bytes()[1] == 2 * (16 + 2) + 2 * (4 + 4)
+    assert store.allocator.pools["int2"].codec.width == 4 and store.entry_bytes()[1] == 2 * (16 + 2) + 2 * (4 + 4)
     view = store.view(1, 0)
     step = (x.amax(-1) - x.amin(-1))[:, :30] / 3  # values are -keys in fill_store
     assert bool(((view.key_only_values + x[:, :30]).abs() <= step.unsqueeze(-1) / 2 + 1e-2).all())

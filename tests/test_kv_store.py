@@ -29,30 +29,36 @@ def make_store(max_bytes: int = 10**7, storage=None, history_steps: int = 0) -> 
 def check_references(store: KVStore, parked: list[ParkedKV] = ()) -> None:
     """Every block's reference count is the number of tables (running or parked) that hold it, and
     the account is the blocks in use and the parked caches' bookkeeping."""
-    expected = {name: Counter() for name in store.pools}
+    expected = {name: Counter() for name in store.allocator.pools}
     for slot, pools in store.tables.pools.items():
         for kind, pool in enumerate(pools):
             for layer in range(store.num_layers):
                 held = store.tables.held(kind, layer, slot)
                 expected[pool.codec.name].update(held.tolist())
     for cache in parked:
-        names = (cache.codec.name, cache.codec.values.name, store.key_only_pool.codec.name)
+        names = (cache.codec.name, cache.codec.values.name, store.allocator.key_only_pool.codec.name)
         for name, layers in zip(names, cache.tables, strict=True):
             for blocks in layers:
                 expected[name].update(blocks.tolist())
     used, lent = 0, []
-    for name, pool in store.pools.items():
+    for name, pool in store.allocator.pools.items():
         assert pool.refs == dict(expected[name]), name
         # Every block inside the pages a pool holds is free or in use, never both; none lies outside them.
-        inside = {b for page in pool.pages for b in store.arena.blocks_in(page, pool.block_bytes)}
+        inside = {b for page in pool.pages for b in store.allocator.arena.blocks_in(page, pool.block_bytes)}
         assert set(pool.free_blocks).isdisjoint(pool.refs) and set(pool.free_blocks) | set(pool.refs) == inside
-        in_use = {page for page in pool.pages if set(store.arena.blocks_in(page, pool.block_bytes)) & pool.refs.keys()}
+        in_use = {
+            page
+            for page in pool.pages
+            if set(store.allocator.arena.blocks_in(page, pool.block_bytes)) & pool.refs.keys()
+        }
         assert pool.empty_pages == len(pool.pages) - len(in_use)
         used += len(pool.refs) * pool.block_bytes
         lent += pool.pages
-    assert len(lent) == len(set(lent)) and len(lent) + store.arena.free_pages == store.arena.num_pages
+    assert (
+        len(lent) == len(set(lent)) and len(lent) + store.allocator.arena.free_pages == store.allocator.arena.num_pages
+    )
     assert store.used_bytes == used + sum(cache.bookkeeping_bytes for cache in parked)
-    assert store.allocated_bytes == store.arena.nbytes
+    assert store.allocator.allocated_bytes == store.allocator.arena.nbytes
 
 
 def test_write_view_roundtrip():
@@ -149,7 +155,7 @@ def test_adopting_what_does_not_fit_holds_nothing():
     store = make_store()
     fill(store, 1, 40)
     parked = store.park(1)
-    store.max_bytes = store.used_bytes  # no room for a copied partial block
+    store.allocator.max_bytes = store.used_bytes  # no room for a copied partial block
     with pytest.raises(KVBudgetExceeded):
         store.adopt(2, parked, 36)
     assert 2 not in store
@@ -209,8 +215,8 @@ def test_the_arena_bounds_memory_whatever_the_mix_of_formats(ops, formats, budge
     store = make_store(storage="kivi4")  # head_dim 8: every format can be stored
     budget = budget_tokens * store.num_layers * store.entry_bytes(store.make_codec("auto"))[0]
     store = make_store(max_bytes=budget, storage="kivi4")
-    memory, allocated = store.arena.memory.data_ptr(), store.allocated_bytes
-    assert budget <= allocated <= budget + SPARE_PAGES * store.arena.page_bytes
+    memory, allocated = store.allocator.arena.memory.data_ptr(), store.allocator.allocated_bytes
+    assert budget <= allocated <= budget + SPARE_PAGES * store.allocator.arena.page_bytes
     parked: list[ParkedKV] = []
     for op, seq_id, n in ops:
         with contextlib.suppress(KVBudgetExceeded):  # refused, nothing changed: the budget or the pages
@@ -229,8 +235,8 @@ def test_the_arena_bounds_memory_whatever_the_mix_of_formats(ops, formats, budge
             elif op == "compact" and seq_id in store:
                 store.compact(seq_id, {layer: mixed_keep(store, seq_id, layer, n) for layer in range(n % 4)})
         check_references(store, parked)
-        assert store.arena.memory.data_ptr() == memory and store.allocated_bytes == allocated
-        assert sum(store.pool_bytes.values()) <= store.touched_bytes <= allocated
+        assert store.allocator.arena.memory.data_ptr() == memory and store.allocator.allocated_bytes == allocated
+        assert sum(store.allocator.pool_bytes.values()) <= store.allocator.touched_bytes <= allocated
     for seq_id in range(5):
         store.free(seq_id)
     for cache in parked:
@@ -441,7 +447,7 @@ def test_kivi4_keys_come_back_within_half_a_level_of_their_blocks_channel_range(
         assert ((view.keys - keys[layer]).abs() <= bound).all()
         span = values[layer].amax(-1, keepdim=True) - values[layer].amin(-1, keepdim=True)
         assert ((view.values - values[layer]).abs() <= span / 15 / 2 * 1.01 + 1e-3).all()
-    assert store.pools["int4c"].codec.per_channel and store.seq_length(2) == len(chunks)
+    assert store.allocator.pools["int4c"].codec.per_channel and store.seq_length(2) == len(chunks)
     check_references(store)
 
 

@@ -219,7 +219,7 @@ def test_a_compaction_beside_a_parked_prompt_takes_its_pages_from_the_parked_pro
         after_step.append(engine.store.used_bytes)
     assert reclaimed  # the compaction found no page...
     assert len(engine.prefix_cache) == 0  # ...and the parked prompt paid for it
-    assert max(at_forward) <= budget and max(after_step) <= engine.store.allocated_bytes
+    assert max(at_forward) <= budget and max(after_step) <= engine.store.allocator.allocated_bytes
     assert outputs[-1].compression_metrics["compression_ratio"] < 0.6  # compressed as asked
 
 
@@ -342,7 +342,9 @@ def test_a_request_whose_bytes_fit_but_whose_pages_are_held_by_parked_caches_of_
         engine.prefix_cache.evict_one()
     store = engine.store
     need = store.bytes_for(250)
-    assert need <= store.free_bytes and store.arena.free_pages * store.arena.page_bytes < need  # fragmented
+    assert (
+        need <= store.free_bytes and store.allocator.arena.free_pages * store.allocator.arena.page_bytes < need
+    )  # fragmented
     params = resolve(engine.compression_config, {"enabled": False}, True, True)
     engine.add_request("big", ids(tokenizer, 250, seed=99), greedy(4, ignore_eos=True), params)
     for _ in range(200):

@@ -56,7 +56,7 @@ class EngineReplica:
     async def __init__(self, settings: Settings, hub: DeploymentHandle, metrics_interval_s: float = 1.0) -> None:
         threads = replica_threads(settings)
         if settings.torch_threads and threads < settings.torch_threads:
-            log.warning("torch threads %d, not %d: the CPUs this replica reserves (--confkv.cluster.replica-cpus)",
+            log.warning("torch threads %d, not %d: the CPUs this replica reserves (--cluster.replica-cpus)",
                         threads, settings.torch_threads)  # fmt: skip
         self.app = create_app(settings.model_copy(update={"torch_threads": threads}))
         self._lifespan = self.app.router.lifespan_context(self.app)

@@ -7,157 +7,42 @@ ranks while its mistakes are logged); as the `AttentionObserver` it
 receives those observations; `after_step()` compresses the sequences that are due (once at the
 end of prefill, then every `compression_interval` decode steps). Its `hooks` let tests and trace
 collection watch it without replacing its methods.
+
+A compression reads as budget -> score -> plan -> apply: `confkv.compress.budget` says what each
+layer may keep, the scoring policy (`confkv.compress.scoring`) what each entry is worth,
+`confkv.compress.tiers` which entries keep which tier, and the store's compaction applies it. The
+sequences' state and the figures reported are in `confkv.compress.state`. The file is over 300
+lines because the batched prediction, the pressure squeeze and the audit of dropped keys all share
+the one compression path.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
 
-import numpy as np
 import torch
 
+from confkv.compress.budget import Budget, Judged, judge, layer_bytes, layers_over, layers_to_compress, plan_budget
 from confkv.compress.config import CompressionParams
 from confkv.compress.history import TierHistory
 from confkv.compress.predictor.calibration import Calibration, Source
 from confkv.compress.predictor.misses import Dropped
 from confkv.compress.predictor.online import Forecast, FutureValue, PredictionJob
-from confkv.compress.scoring import LayerEntries, ScorePolicy
+from confkv.compress.scoring import LayerEntries
 from confkv.compress.spans import pool_over_spans, span_ids
-from confkv.compress.tiers import adaptive_weights, plan_tiers, pyramid_weights, threshold_bytes
+from confkv.compress.state import (
+    CompressionHooks,
+    CompressionMetrics,
+    MarkedChunk,
+    SequenceState,
+    TrackedSequence,
+)
+from confkv.compress.tiers import adaptive_weights, plan_tiers
 from confkv.kv.block_tables import Keep
-from confkv.kv.kv_store import KVBudgetExceeded, KVStore, LayerKV
+from confkv.kv.kv_store import KVBudgetExceeded, KVStore
 
 log = logging.getLogger(__name__)
-
-
-class _Budget(NamedTuple):
-    """What one compression of a sequence may keep."""
-
-    ceiling: float  # bytes per layer the rate allows, on average over the layers
-    per_layer: float  # bytes per layer it may keep on average: the ceiling, or less where the thresholds judged so
-    full_bytes: int  # of a FULL entry
-    key_only_bytes: int  # of a KEY_ONLY entry
-    value_errors: tuple[float, float]  # relative error of a FULL and of a KEY_ONLY value as stored; (0, 0): count first
-    rounding: float  # a partial block of each of a layer's tables: what whole blocks may hold past `per_layer`
-    judge: bool  # do the thresholds judge the request now (every layer)?
-    rescore: bool  # is every layer scored now (to judge, or to share the bytes among layers afresh)?
-
-
-class _Judged(NamedTuple):
-    """One layer of a sequence as a compression judges it."""
-
-    layer: int
-    kv: LayerKV
-    protected: torch.Tensor  # [n] sinks and the recent window
-    scores: torch.Tensor  # [n]
-    retention: torch.Tensor | None  # [n] retention confidence, where the policy gives one
-    judged: torch.Tensor  # [n] entries an earlier compression kept
-
-
-class TrackedSequence(Protocol):
-    """What the compressor reads of a sequence."""
-
-    seq_id: int
-    num_computed: int  # tokens whose KV has been computed
-    token_ids: list[int]  # prompt and generated tokens
-
-
-class MarkedChunk(Protocol):
-    """What the compressor reads and marks of a chunk scheduled for the forward pass."""
-
-    seq_id: int
-    token_ids: list[int]  # the chunk's tokens (one for a decode step)
-    needs_logits: bool  # the chunk ends its sequence's known tokens (the end of prefill, or a decode step)
-    observe: int  # set here: how many of its last queries' attention to observe
-    audit: bool  # set here: measure the attention its dropped keys would get
-
-
-@dataclass
-class CompressionMetrics:
-    """Per-request figures: a response's `compression_metrics` (docs/compression.md defines each field)."""
-
-    original_size: int
-    compressed_size: int
-    ceiling_size: int
-    compression_ratio: float
-    mean_compression_ratio: float
-    hit_rate: float
-    prefix_parked: str | None
-    recall_rate: float
-    entries: dict[str, int]
-    policy: str
-    compression_time_ms: float
-
-
-@dataclass
-class SequenceState:
-    params: CompressionParams
-    policy: ScorePolicy | None  # None: the request does not compress (nothing is observed or scored)
-    prompt_len: int
-    prefilled: bool = False
-    steps_since_compression: int = 0
-    decode_steps: int = 0
-    seconds: float = 0.0
-    pressure_rate: float = 0.0  # raised under memory pressure, never lowered (dropped entries do not return)
-    recall_sum: float = 0.0
-    recall_count: int = 0
-    ratio_sum: float = 0.0  # compression_ratio after each decode step, summed (with `stats` only)
-    ratio_steps: int = 0
-    audit: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> dropped keys
-    misses: dict[int, Dropped] = field(default_factory=dict)  # layer -> dropped entries the predictor ranked
-    confidences: list[float] = field(default_factory=list)  # top-token probability of each generated token
-    predictions: int = 0  # compressions the value predictor ran for
-    judged_until: int = 0  # entries below this position were kept by an earlier compression
-    compressions: int = 0  # compressions run (due or forced), whether or not they changed anything
-    content_bytes_per_token: float | None = None  # per layer: what the thresholds kept at their last judgment
-    layer_weights: torch.Tensor | None = None  # adaptive layer budgets: each layer's share (mean 1), when scored
-    history: TierHistory | None = None  # each compression's tiers, for requests that ask (`inspect`)
-    spans: torch.Tensor | None = None  # the span of each position (`retention_unit`), as of the last compression
-
-    @property
-    def rate(self) -> float:
-        """The share of bytes to remove: the request's rate, or the pressure's if higher."""
-        return max(self.params.compression_rate, self.pressure_rate)
-
-    @property
-    def observed_prompt_queries(self) -> int:
-        """Prompt queries whose attention the end-of-prefill compression observes (0: none)."""
-        if not self.params.active or not self.policy.uses_attention:
-            return 0
-        return self.policy.observation_window or self.params.observation_window
-
-    def reset_cache_state(self) -> None:
-        """After preemption the cache is rebuilt from scratch."""
-        self.prefilled = False
-        self.steps_since_compression = 0
-        self.audit.clear()
-        self.misses.clear()
-        self.predictions = 0
-        self.judged_until = 0
-        self.compressions = 0
-        self.content_bytes_per_token = None
-        self.layer_weights = None
-        if self.history is not None:
-            self.history.clear()
-
-
-@dataclass
-class CompressionHooks:
-    """Callbacks, called in the order added, for tests and trace collection (serving adds none, and
-    then they cost nothing)."""
-
-    # After each compression of a sequence, due or forced by memory pressure, whether or not it
-    # changed anything: (seq_id, tokens computed, its state).
-    compressed: list[Callable[[int, int, SequenceState], None]] = field(default_factory=list)
-    # After each observation of a sequence's attention is folded in: (seq_id, layer, rows [observed
-    # queries, held entries]), the attention each held entry received from each query.
-    observed: list[Callable[[int, int, torch.Tensor], None]] = field(default_factory=list)
-    # After each step's sampling: the top-token probability of each sequence that sampled, by seq_id.
-    sampled: list[Callable[[dict[int, float]], None]] = field(default_factory=list)
 
 
 class Compressor:
@@ -277,16 +162,9 @@ class Compressor:
             chunk.audit = decode and self._audits(state)
 
     def on_attention(self, seq_id: int, layer: int, rows: torch.Tensor) -> None:
-        kv = self.store.layer(seq_id, layer)
+        """A prefill chunk's observed queries' attention [queries, entries] over one layer."""
         state = self.states[seq_id]
-        n = kv.length
-        held = kv.attention[:n]
-        held.copy_(state.policy.accumulate(held, rows.sum(dim=0)))
-        if kv.observed is not None:
-            # The predictor's timeline: queries score_interval apart (a decode step brings one).
-            picked = rows.flip(0)[:: state.params.score_interval][: kv.observed.shape[0]].flip(0)
-            recent = kv.observed[:, :n]
-            recent.copy_(torch.cat((recent[picked.shape[0] :], picked.to(recent.dtype))))
+        self.store.observe(layer, [seq_id], rows.unsqueeze(0), state.policy.accumulate, state.params.score_interval)
         for hook in self.hooks.observed:
             hook(seq_id, layer, rows)
 
@@ -297,7 +175,7 @@ class Compressor:
             groups.setdefault(repr(self.states[seq_id].policy), []).append(i)
         for members in groups.values():
             policy = self.states[seq_ids[members[0]]].policy
-            self.store.observe(layer, [seq_ids[i] for i in members], rows[members], policy.accumulate)
+            self.store.observe(layer, [seq_ids[i] for i in members], rows[members].unsqueeze(1), policy.accumulate)
         for hook in self.hooks.observed:
             for seq_id, row in zip(seq_ids, rows, strict=True):
                 hook(seq_id, layer, row[: self.store.seq_length(seq_id, layer)].unsqueeze(0))
@@ -425,7 +303,9 @@ class Compressor:
         """Predicted future attention of every entry these sequences' compressions can change, in one batch."""
         jobs = []
         for seq, state in due:
-            layers = self._to_compress(seq.seq_id, state, self._budget(seq.seq_id, seq.num_computed, state))
+            layers = layers_to_compress(
+                self.store, seq.seq_id, state, self._budget(seq.seq_id, seq.num_computed, state)
+            )
             if layers:
                 jobs.append(self._prediction_job(seq.seq_id, seq.num_computed, state, layers))
         return self.future_value.predict(self.store, jobs) if jobs else {}
@@ -463,7 +343,7 @@ class Compressor:
         params = state.params
         store = self.store
         budget = self._budget(seq_id, num_tokens, state)
-        layers = self._to_compress(seq_id, state, budget)
+        layers = layers_to_compress(store, seq_id, state, budget)
         state.compressions += 1
         if not layers:
             return  # nothing to remove: attention is still observed (traces, scores for later)
@@ -493,16 +373,16 @@ class Compressor:
             if state.spans is not None:  # a span is ranked as its best entry: kept whole or dropped whole
                 scores = pool_over_spans(scores, state.spans[positions])
             retention = state.policy.retention(entries) if budget.judge else None
-            judged.append(_Judged(layer, kv, protected, scores, retention, positions < state.judged_until))
+            judged.append(Judged(layer, kv, protected, scores, retention, positions < state.judged_until))
             if state.history is not None:
                 state.history.scored(layer, positions, scores, retention)
         per_layer = budget.per_layer
         if budget.judge:
-            per_layer = self._judge(judged, budget, state, num_tokens)
+            per_layer = judge(judged, budget, state, num_tokens)
         if budget.rescore and state.params.layer_budget == "adaptive":
             state.layer_weights = adaptive_weights([j.scores[~j.protected] for j in judged])
-        layer_bytes = self._layer_bytes(state, per_layer)
-        over = self._over(seq_id, layer_bytes, budget.rounding)
+        shares = layer_bytes(store.num_layers, state, per_layer)
+        over = layers_over(store, seq_id, shares, budget.rounding)
         full_bytes, key_only_bytes = budget.full_bytes, budget.key_only_bytes
         keep, dropped = {}, {}
         for layer, kv, protected, scores, _, _ in judged:
@@ -512,7 +392,7 @@ class Compressor:
                 scores,
                 protected,
                 kv.num_key_only,
-                layer_bytes[layer],
+                shares[layer],
                 full_bytes,
                 key_only_bytes,
                 state.policy.uses_tiers,
@@ -537,80 +417,8 @@ class Compressor:
                 known = state.misses.get(layer) or Dropped.none(predicted[layer].windows)
                 state.misses[layer] = known.add(predicted[layer].windows[entries], state.decode_steps)
 
-    def _judge(self, judged: list[_Judged], budget: _Budget, state: SequenceState, num_tokens: int) -> float:
-        """Bytes each layer may hold, as the thresholds judge the request: its share of what they keep
-        over all its layers (under the rate's ceiling), so memory follows the content of the request
-        while every layer holds as much. Remembered per token for the compressions until the next
-        judgment. Without retention confidences (no calibration, nothing observed yet) the rate decides.
-
-        The thresholds judge the request, not each layer: letting them set each layer's bytes (few
-        where attention is concentrated, many where it is diffuse) lost fidelity at equal bytes
-        against a fixed rate (see docs/design.md)."""
-        if any(j.retention is None for j in judged):
-            state.content_bytes_per_token = None
-            return budget.ceiling
-        held = sum(
-            threshold_bytes(
-                j.protected,
-                j.kv.num_key_only,
-                budget.full_bytes,
-                budget.key_only_bytes,
-                state.policy.uses_tiers,
-                j.retention,
-                state.params.thresholds,
-                j.judged,
-            )
-            for j in judged
-        )
-        state.content_bytes_per_token = held / len(judged) / num_tokens
-        return min(budget.ceiling, held / len(judged))
-
-    def _budget(self, seq_id: int, num_tokens: int, state: SequenceState) -> _Budget:
-        """What this compression may keep of each layer, and whether the thresholds judge the request now."""
-        store = self.store
-        rate = self.target_rate(state)
-        codec = store.codec_of(seq_id)
-        # Scores that are expected attention also say what a precise value is worth (`_spend`);
-        # others (positions, key norms) say nothing of it, and the plan keeps the count first.
-        errors = store.value_errors(codec) if state.policy.uses_attention else (0.0, 0.0)
-        sizes = (*store.entry_bytes(codec), errors)
-        if rate <= 0.0:
-            return _Budget(float("inf"), float("inf"), *sizes, 0.0, judge=False, rescore=False)
-        per_token = store.model_token_bytes / store.num_layers
-        # Tables hold whole blocks: leave room for a partial one of each of the three tables.
-        rounding = store.table_blocks_bytes(codec)
-        ceiling = (1.0 - rate) * num_tokens * per_token - rounding
-        # The thresholds judge every layer's entries, so only every `prediction_refresh` compressions
-        # (when the predictor refreshes its forecasts); in between, what they kept per token holds.
-        # Adaptive layer budgets are shared out afresh as often, from every layer's scores.
-        refresh = state.compressions % state.params.prediction_refresh == 0
-        judge = state.policy.thresholds_decide and refresh
-        rescore = judge or (refresh and state.params.layer_budget == "adaptive")
-        per_layer = ceiling
-        if state.content_bytes_per_token is not None and not judge:
-            per_layer = min(ceiling, state.content_bytes_per_token * num_tokens)
-        return _Budget(ceiling, per_layer, *sizes, rounding, judge, rescore)
-
-    def _layer_bytes(self, state: SequenceState, per_layer: float) -> list[float]:
-        """Each layer's bytes: the per-layer mean, shared among the layers as `layer_budget` says."""
-        kind = state.params.layer_budget
-        weights = pyramid_weights(self.store.num_layers) if kind == "pyramid" else state.layer_weights
-        if kind == "uniform" or weights is None:
-            return [per_layer] * self.store.num_layers
-        return (per_layer * weights).tolist()
-
-    def _to_compress(self, seq_id: int, state: SequenceState, budget: _Budget) -> list[int]:
-        """The layers a compression scores: every layer when the thresholds judge the request or the
-        layers' shares are renewed, else only those over their budget (`_over`)."""
-        if budget.rescore:
-            return list(range(self.store.num_layers))
-        return np.flatnonzero(self._over(seq_id, self._layer_bytes(state, budget.per_layer), budget.rounding)).tolist()
-
-    def _over(self, seq_id: int, layer_bytes: list[float], rounding: float) -> np.ndarray:
-        """Which layers [layers] hold more than their bytes, whole blocks counted (a partial block of
-        each table allowed): only compacting those frees memory, which is held in whole blocks.
-        Compacting a layer that fits would drop entries and rewrite its tables for no block freed."""
-        return self.store.layer_bytes(seq_id) > np.asarray(layer_bytes) + rounding
+    def _budget(self, seq_id: int, num_tokens: int, state: SequenceState) -> Budget:
+        return plan_budget(self.store, seq_id, num_tokens, state, self.target_rate(state))
 
     def _token_confidence(self, state: SequenceState, num_tokens: int) -> torch.Tensor:
         confidence = torch.ones(num_tokens + 1, device=self.store.device)

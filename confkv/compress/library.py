@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Cache, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
-from confkv.compress.compressor import CompressionMetrics, Compressor
+from confkv.compress.compressor import Compressor
 from confkv.compress.config import CompressionConfig, parse_size, resolve
 from confkv.compress.predictor.calibration import Calibration, Source
 from confkv.compress.predictor.online import FutureValue, load_retention, predictor_path
 from confkv.compress.spans import word_starts
+from confkv.compress.state import CompressionMetrics
 from confkv.kv.attention import ATTENTION_NAME, PackedBatch, Segment, register_attention
 from confkv.kv.kv_store import KVStore, memory_for_cache
 

@@ -5,7 +5,7 @@ The budget comes first. Where the policy gives a retention confidence, the thres
 only below `low`) judge the whole request: the compressor asks them only how many bytes they would
 keep (`threshold_bytes`, a plan under an unlimited budget), and those bytes over all layers, shared
 equally among the layers and capped by `compression_rate`, become every layer's budget
-(`Compressor._judge`). Without confidences the rate alone sets it. So the thresholds decide how much
+(`confkv.compress.budget.judge`). Without confidences the rate alone sets it. So the thresholds decide how much
 a request keeps; they do not pick each entry's tier.
 
 Within its budget a layer's plan (`plan_tiers`, as the compressor calls it) ranks entries by score,

@@ -10,8 +10,8 @@ from enum import Enum, StrEnum
 
 import torch
 
-from confkv.compress.compressor import CompressionMetrics
 from confkv.compress.history import TierHistory
+from confkv.compress.state import CompressionMetrics
 
 # Below this temperature sampling is greedy: dividing fp32 logits by a smaller one overflows to inf
 # (vLLM's _SAMPLING_EPS), and the distribution is a point mass anyway.

@@ -80,16 +80,21 @@ class EntryStats:
         slots: torch.Tensor,
         rows: torch.Tensor,
         accumulate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        interval: int = 1,
     ) -> None:
-        """Fold one decode query's attention per slot (rows [slots, width]) into the observed attention
-        by `accumulate`, and into the predictor's history."""
-        width = rows.shape[1]
+        """Fold the attention of some queries per slot (rows [slots, queries, width], zero past each
+        slot's entries) into the observed attention by `accumulate`, and into the predictor's history,
+        whose timeline is queries `interval` apart (a decode step brings one; the end of a prefill, its
+        last queries)."""
+        width = rows.shape[-1]
         attention = self.rows["attention"]
-        attention[layer, slots, :width] = accumulate(attention[layer, slots, :width], rows)
+        attention[layer, slots, :width] = accumulate(attention[layer, slots, :width], rows.sum(dim=1))
         if self.history_steps:
+            picked = rows.flip(1)[:, ::interval][:, : self.history_steps].flip(1)  # [slots, steps taken, width]
             history = self.rows["observed"]
             recent = history[layer, slots, :, :width]  # [slots, steps, width]
-            history[layer, slots, :, :width] = torch.cat((recent[:, 1:], rows.unsqueeze(1).to(recent.dtype)), dim=1)
+            kept = recent[:, picked.shape[1] :]
+            history[layer, slots, :, :width] = torch.cat((kept, picked.to(recent.dtype)), dim=1)
 
     def forget_observations(self, slot: int) -> None:
         """A slot that adopted a parked cache: what earlier requests observed was their own

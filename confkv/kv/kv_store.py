@@ -1,7 +1,9 @@
 """The KV cache of every sequence, in blocks of one pool per storage format, against one byte budget.
 
-The store is the account and the lifecycle; its parts each hold one concern:
+The store is the lifecycle of every sequence's cache; its parts each hold one concern:
 
+- `confkv.kv.allocator`: the arena, a block pool per storage format, and the byte budget every
+  allocation is checked against;
 - `confkv.kv.block_tables`: the running slots' block tables (three per layer: keys, FULL
   values, KEY_ONLY values; `confkv.kv.kv_layout`), parked caches, and how a rebuild keeps blocks;
 - `confkv.kv.step_plan`: one forward pass's writes and decode reads over those tables;
@@ -15,13 +17,10 @@ tables leave the slot, its blocks stay) and a later one adopts a prefix of it by
 blocks by reference: only a partial last block is copied, since the adopter appends after it.
 Compaction, adoption and truncation all go through one rebuild (`_rebuild`).
 
-The budget counts every block in use, once however many tables share it, at its full size: waste
-is at most one partial block per table. The blocks live in one arena allocated at start-up
-(`confkv.kv.arena`), lent in pages to each format's pool: every allocation is checked against
-both the budget and the arena's pages before anything changes. A running slot's bookkeeping is
-allocated with the slots and not counted; a parked cache's (its tables, positions and key norms)
-grows with what the prefix cache holds, so it is counted with the parked blocks. The file is over
-300 lines because the rebuild and the account it checks belong together.
+The budget counts whole blocks: waste is at most one partial block per table. A running slot's
+bookkeeping is allocated with the slots and not counted; a parked cache's (its tables, positions
+and key norms) grows with what the prefix cache holds, so it is counted with the parked blocks.
+The file is over 300 lines because every step of the lifecycle goes through the one rebuild.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ import numpy as np
 import psutil
 import torch
 
-from confkv.kv.arena import Arena
+from confkv.kv.allocator import KVAllocator
 from confkv.kv.block_pool import BlockPool, Codec
 from confkv.kv.block_tables import BlockTables, Keep, ParkedKV, held_before, interleave, plan_rebuild
 from confkv.kv.channel_keys import ChannelKeys
@@ -122,23 +121,19 @@ class KVStore:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.max_bytes = max_bytes
         self.dtype = dtype  # the model's dtype: what attention computes in
         self.device = torch.device(device)
         self.block_size = block_size
         self.basis = KeyBasis(random_rotation(head_dim).to(self.device) if key_rotation else None)
         self.codec = self.make_codec(storage)  # the default storage precision
-        # All the KV memory, allocated once: every format's pool borrows its pages.
-        self.arena = Arena.for_budget(max_bytes, num_kv_heads * block_size * head_dim * 4, self.device)
-        self.pools: dict[str, BlockPool] = {}
-        self.key_only_pool = self._pool(Codec(f"int{key_only_bits}", head_dim))
+        key_only = Codec(f"int{key_only_bits}", head_dim)
+        self.allocator = KVAllocator(max_bytes, num_kv_heads, block_size, key_only, self.device)
         self.evicted_entries: Counter[str] = Counter()  # (layer, token) entries removed, by reason
         self._storage: dict[int, Codec] = {}  # sequences stored at another precision than the default
         self.channel_keys = ChannelKeys(num_layers, block_size, dtype, self.device)  # int4c keys' writes
         self.tables = BlockTables(num_layers, block_size)  # the running sequences' block tables
         self.steps = StepPlanner(self.tables, self.channel_keys, self.basis, self.device)
         self.stats = EntryStats(num_layers, history_steps, self.device)  # what is known of every entry
-        self.parked_bookkeeping_bytes = 0  # of the parked caches alive
         # Frees one parked cache (the prefix cache's eviction); True if there was one. A compaction whose
         # fresh blocks find no page asks it, as parked caches that share a sequence's blocks are what
         # hold the pages then.
@@ -191,11 +186,11 @@ class KVStore:
         codec = codec or self.codec
         key = codec.vector_bytes
         full = self.num_kv_heads * (key + codec.values.vector_bytes)
-        return full, self.num_kv_heads * (key + self.key_only_pool.codec.vector_bytes)
+        return full, self.num_kv_heads * (key + self.allocator.key_only_pool.codec.vector_bytes)
 
     def value_errors(self, codec: Codec | None = None) -> tuple[float, float]:
         """Relative error of a FULL value and of a KEY_ONLY value as stored (`Codec.relative_error`)."""
-        return (codec or self.codec).values.relative_error, self.key_only_pool.codec.relative_error
+        return (codec or self.codec).values.relative_error, self.allocator.key_only_pool.codec.relative_error
 
     @property
     def model_token_bytes(self) -> int:
@@ -209,7 +204,7 @@ class KVStore:
     def table_blocks_bytes(self, codec: Codec | None = None) -> int:
         """Bytes of one block of each of a layer's tables (keys, values, key-only values)."""
         codec = codec or self.codec
-        return self.block_bytes(codec) + self.block_bytes(codec.values) + self.key_only_pool.block_bytes
+        return self.block_bytes(codec) + self.block_bytes(codec.values) + self.allocator.key_only_pool.block_bytes
 
     def bytes_for(self, num_tokens: int, codec: Codec | None = None) -> int:
         """Bytes a new sequence of `num_tokens` FULL tokens takes, whole blocks included."""
@@ -218,20 +213,17 @@ class KVStore:
         return blocks * (self.block_bytes(codec) + self.block_bytes(codec.values))
 
     @property
+    def max_bytes(self) -> int:
+        return self.allocator.max_bytes
+
+    @property
     def used_bytes(self) -> int:
         """Every block in use, running or parked, and the parked caches' bookkeeping."""
-        blocks = sum(pool.used_blocks * pool.block_bytes for pool in self.pools.values())
-        return blocks + self.parked_bookkeeping_bytes
+        return self.allocator.used_bytes
 
     @property
-    def allocated_bytes(self) -> int:
-        """The memory the cache's blocks live in (the arena): allocated at start, whatever is in use."""
-        return self.arena.nbytes
-
-    @property
-    def touched_bytes(self) -> int:
-        """The arena's pages ever lent: on CPU, the part of it that is resident memory."""
-        return self.arena.touched_bytes
+    def free_bytes(self) -> int:
+        return self.allocator.free_bytes
 
     @property
     def running_bytes(self) -> int:
@@ -243,15 +235,6 @@ class KVStore:
     def parked_bytes(self) -> int:
         """Blocks that only parked caches (the prefix cache) hold, and their bookkeeping."""
         return self.used_bytes - self.running_bytes
-
-    @property
-    def pool_bytes(self) -> dict[str, int]:
-        """The arena's memory each storage format's pool holds (its pages), in use or free."""
-        return {name: pool.capacity_bytes for name, pool in self.pools.items()}
-
-    @property
-    def free_bytes(self) -> int:
-        return self.max_bytes - self.used_bytes
 
     def seq_bytes(self, seq_id: int) -> int:
         """Bytes of every block this sequence's tables hold (shared ones too)."""
@@ -308,12 +291,11 @@ class KVStore:
         need_keys = blocks_for(lengths + num_new, self.block_size) - self.tables.num_blocks[KEYS, :, slot]
         need_values = blocks_for(lengths - self.tables.key_only[:, slot] + num_new, self.block_size)
         need_values -= self.tables.num_blocks[VALUES, :, slot]
-        needed = int(need_keys.clip(0).sum()) * pools[KEYS].block_bytes
-        needed += int(need_values.clip(0).sum()) * pools[VALUES].block_bytes
         blocks = [(pools[KEYS], int(need_keys.clip(0).sum())), (pools[VALUES], int(need_values.clip(0).sum()))]
-        if needed > self.free_bytes or not self._arena_fits(blocks):
+        if not self.allocator.fits(blocks):
             if created:
                 self.tables.close(seq_id)
+            needed = sum(pool.block_bytes * n for pool, n in blocks)
             raise KVBudgetExceeded(
                 f"sequence {seq_id} needs {needed} more KV bytes; {self.free_bytes} of {self.max_bytes} are free"
                 + ("" if needed > self.free_bytes else ", but the arena's pages are held by other storage formats")
@@ -326,7 +308,7 @@ class KVStore:
     def begin_step(self, segments: list, positions: torch.Tensor) -> StepPlan:
         """Plan a forward pass of these segments (`Segment`s, room reserved, at `positions`): where
         each new entry goes in every layer, and the decode rows. The entries count as held from here on."""
-        plan = self.steps.plan(segments, list(self.pools.values()), self._pool)
+        plan = self.steps.plan(segments, list(self.allocator.pools.values()), self.allocator.pool)
         self.stats.written(plan.token_slot, plan.key_index, positions)
         return plan
 
@@ -337,7 +319,7 @@ class KVStore:
 
     def decode_batch(self, layer: int, plan: StepPlan, query: torch.Tensor, scale: float) -> DecodeBatch:
         """The decode kernel's view of one layer for the plan's decode rows (query [rows, heads, D])."""
-        return self.steps.decode_batch(layer, plan, query, scale, self.key_only_pool)
+        return self.steps.decode_batch(layer, plan, query, scale, self.allocator.key_only_pool)
 
     def observe(
         self,
@@ -345,12 +327,14 @@ class KVStore:
         seq_ids: list[int],
         rows: torch.Tensor,
         accumulate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        interval: int = 1,
     ) -> None:
-        """Fold one decode query's attention per sequence (rows [sequences, width], zero past each
-        one's entries) into their observed attention by `accumulate`, and into the predictor's
-        history. Past its entries a row's bookkeeping is scratch: a write resets it."""
+        """Fold the attention of some queries per sequence (rows [sequences, queries, width], zero past
+        each one's entries) into their observed attention by `accumulate`, and into the predictor's
+        history (queries `interval` apart). Past its entries a row's bookkeeping is scratch: a write
+        resets it."""
         slots = torch.tensor([self.tables.slot_of[s] for s in seq_ids], device=self.device)
-        self.stats.observe(layer, slots, rows, accumulate)
+        self.stats.observe(layer, slots, rows, accumulate, interval)
 
     def view(self, seq_id: int, layer_idx: int) -> LayerView:
         """Keys and values held by one layer of one sequence, gathered and dequantised."""
@@ -393,7 +377,7 @@ class KVStore:
             return None
         slot = self.tables.slot_of[seq_id]
         parked = self._snapshot(slot, PARKED)
-        self.parked_bookkeeping_bytes += parked.bookkeeping_bytes
+        self.allocator.parked_bookkeeping_bytes += parked.bookkeeping_bytes
         self.tables.num_blocks[:, :, slot] = 0  # the references move to the parked cache
         self.tables.close(seq_id)
         return parked
@@ -407,11 +391,9 @@ class KVStore:
         counts = (parked.lengths, parked.lengths - parked.key_only, parked.key_only)  # entries per table kind
         pools = self.tables.pools[slot]
         partial = {(kind, int(layer)) for kind in range(3) for layer in np.flatnonzero(counts[kind] % self.block_size)}
-        if sum(pools[kind].block_bytes for kind, _ in partial) + parked.bookkeeping_bytes > self.free_bytes:
+        if not self.allocator.fits([(pools[kind], 1) for kind, _ in partial], parked.bookkeeping_bytes):
             return None
-        if not self._arena_fits([(pools[kind], 1) for kind, _ in partial]):
-            return None
-        self.parked_bookkeeping_bytes += parked.bookkeeping_bytes
+        self.allocator.parked_bookkeeping_bytes += parked.bookkeeping_bytes
         copies: dict[int, list[tuple[int, int]]] = {}  # pool -> (block, its copy) pairs
         for kind, layers in enumerate(parked.tables):
             for layer, table in enumerate(layers):
@@ -431,7 +413,7 @@ class KVStore:
         (running sequences and other parked caches keep theirs), and the caches' bookkeeping."""
         held: dict[int, tuple[BlockPool, list[np.ndarray]]] = {}
         for kv in parked:
-            for pool, layers in zip(self._pools_of(kv.codec), kv.tables, strict=True):
+            for pool, layers in zip(self.allocator.pools_of(kv.codec), kv.tables, strict=True):
                 held.setdefault(id(pool), (pool, []))[1].extend(layers)
         freed = 0
         for pool, tables in held.values():
@@ -443,8 +425,8 @@ class KVStore:
     def discard(self, parked: ParkedKV) -> int:
         """Give back a parked cache's references; return the bytes that became free."""
         before = self.used_bytes
-        self._unref_tables(self._pools_of(parked.codec), parked.tables)
-        self.parked_bookkeeping_bytes -= parked.bookkeeping_bytes
+        self.allocator.unref(self.allocator.pools_of(parked.codec), parked.tables)
+        self.allocator.parked_bookkeeping_bytes -= parked.bookkeeping_bytes
         self.evicted_entries["prefix_cache"] += int(parked.lengths.sum())
         return before - self.used_bytes
 
@@ -486,23 +468,14 @@ class KVStore:
         if preempted:
             self.evicted_entries["preemption"] += int(self.tables.lengths[:, slot].sum())
         before = self.used_bytes
-        self._unref_tables(self.tables.pools[slot], self.tables.copies(slot))
+        self.allocator.unref(self.tables.pools[slot], self.tables.copies(slot))
         self.tables.num_blocks[:, :, slot] = 0
         self.tables.close(seq_id)
         return before - self.used_bytes
 
     # ----- internals ---------------------------------------------------------------------
-    def _pool(self, codec: Codec) -> BlockPool:
-        if codec.name not in self.pools:
-            self.pools[codec.name] = BlockPool(codec, self.num_kv_heads, self.block_size, self.arena)
-        return self.pools[codec.name]
-
-    def _pools_of(self, codec: Codec) -> tuple[BlockPool, BlockPool, BlockPool]:
-        """The pools of a sequence stored at `codec`, by table kind."""
-        return self._pool(codec), self._pool(codec.values), self.key_only_pool
-
     def _open_slot(self, seq_id: int) -> int:
-        slot = self.tables.open(seq_id, self._pools_of(self.codec_of(seq_id)))
+        slot = self.tables.open(seq_id, self.allocator.pools_of(self.codec_of(seq_id)))
         if self.stats.num_slots < self.tables.num_slots:
             self.stats.grow(self.tables.num_slots, self.stats.capacity)
             self.channel_keys.grow(self.tables.num_slots)
@@ -546,7 +519,7 @@ class KVStore:
         """
         if not keep:
             return
-        bs, pools = self.block_size, self._pools_of(source.codec)
+        bs, pools = self.block_size, self.allocator.pools_of(source.codec)
         per_channel = pools[KEYS].codec.per_channel
         layers, orders, layouts, reads, demoted = plan_rebuild(source, keep, bs)
         encoded = [pools[kind].read_encoded(rows_tensor(reads[kind], self.device)) for kind in range(per_channel, 3)]
@@ -599,14 +572,6 @@ class KVStore:
         self.tables.lengths[layers, slot] = [len(order) for order, _ in orders]
         self.tables.key_only[layers, slot] = [n_ko for _, n_ko in orders]
 
-    def _arena_fits(self, blocks: list[tuple[BlockPool, int]]) -> bool:
-        """Can these pools hand out these many more blocks (pools may repeat) from the arena's pages?"""
-        wanted: dict[int, list] = {}
-        for pool, n in blocks:
-            wanted.setdefault(id(pool), [pool, 0])[1] += n
-        pages = sum(pool.pages_needed(n) for pool, n in wanted.values())
-        return pages == 0 or pages <= self.arena.spare_pages(*(pool for pool, _ in wanted.values()))
-
     def _rebuild_fits(self, slot: int, pools: tuple[BlockPool, ...], layers: list[int], layouts: list) -> bool:
         """Do a rebuild's fresh blocks fit in the arena, counting the blocks it lets go of first?"""
         blocks = []
@@ -615,9 +580,4 @@ class KVStore:
                 let_go = self.tables.ids[kind, layer, slot, len(shared) : self.tables.num_blocks[kind, layer, slot]]
                 freed = sum(1 for b in let_go.tolist() if pools[kind].refs[b] == 1)
                 blocks.append((pools[kind], blocks_for(n, self.block_size) - freed))
-        return self._arena_fits(blocks)
-
-    def _unref_tables(self, pools: tuple[BlockPool, ...], tables: list[list[np.ndarray]]) -> None:
-        for pool, layers in zip(pools, tables, strict=True):
-            for blocks in layers:
-                pool.unref(blocks.tolist())
+        return self.allocator.arena_fits(blocks)

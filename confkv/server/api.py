@@ -85,7 +85,7 @@ def build_engine(settings: Settings) -> LLMEngine:
         if future_value is not None:
             future_value.require_window(compression.prediction_window)
     engine = LLMEngine(model, tokenizer, config, compression, future_value, load_retention(path, model.config))
-    arena = engine.store.arena
+    arena = engine.store.allocator.arena
     log.info(
         "KV arena allocated: %.1f MiB on %s, %d pages of %.0f KiB (the budget and the spare pages every storage "
         "format may hold partly used); nothing more is allocated for the KV cache",
