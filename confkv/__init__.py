@@ -8,6 +8,10 @@ The library API is importable from here: `from confkv import DynamicKVCompressor
 from __future__ import annotations
 
 from importlib import import_module
+from pathlib import Path
+
+# The configuration files that ship with the package (compression, predictor, server).
+CONFIG_DIR = Path(__file__).resolve().parent / "config"
 
 _EXPORTS = {
     "DynamicKVCompressor": "confkv.compress.library",

@@ -27,10 +27,11 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
+from confkv import CONFIG_DIR
 from confkv.compress.scoring import NO_COMPRESSION, ScorePolicy, make_policy, policy_names
 from confkv.compress.spans import RetentionUnit
 
-DEFAULT_FILE = Path(__file__).resolve().parent.parent / "config" / "compression.json"
+DEFAULT_FILE = CONFIG_DIR / "compression.json"
 
 StorageDtype = Literal["auto", "float32", "float16", "bfloat16", "int8", "int4", "kivi4"]
 

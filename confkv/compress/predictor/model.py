@@ -17,9 +17,10 @@ import yaml
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from confkv import CONFIG_DIR
 from confkv.compress.predictor.features import FEATURES
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "prediction_model.yaml"
+DEFAULT_CONFIG = CONFIG_DIR / "prediction_model.yaml"
 
 
 @dataclass(frozen=True)
