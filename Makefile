@@ -53,7 +53,7 @@ test: model tools
 test-fast: $(STAMP)
 	$(PY) -m pytest -m unit -q $(PYTEST_ARGS)
 
-# The documents' generated parts: figures from benchmarks/results (marked stale once their code changed), the stale index, the settings tables.
+# The documents' generated parts: figures from each benchmark's results/ (marked stale once their code changed), the stale index, the settings tables.
 docs: $(STAMP)
 	$(PY) -m benchmarks.report
 	$(PY) -m scripts.settings_reference
@@ -66,10 +66,10 @@ lint: $(STAMP)
 TRACES ?= traces
 PREDICTOR ?= confkv/compress/predictor/weights/SmolLM2-135M-Instruct.safetensors
 collect-traces: model
-	$(PY) benchmarks/collect_traces.py --out $(TRACES) $(ARGS)
+	$(PY) benchmarks/predictor/collect_traces.py --out $(TRACES) $(ARGS)
 
 train-predictor: model
-	test -d $(TRACES) || $(PY) benchmarks/collect_traces.py --out $(TRACES)
+	test -d $(TRACES) || $(PY) benchmarks/predictor/collect_traces.py --out $(TRACES)
 	$(PY) -m confkv.compress.predictor.train --traces $(TRACES) --profile small --out $(PREDICTOR)
 	$(PY) -m confkv.compress.predictor.calibrate --traces $(TRACES) --predictor $(PREDICTOR)
 
@@ -83,13 +83,13 @@ soak: model
 # The headline: a KV budget for 8 uncompressed requests, 32 at once over HTTP, compression off against on.
 bench-serving: model
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) benchmarks/serving_client.py --headline $(ARGS)
+	$(PY) benchmarks/serving_http/run.py --headline $(ARGS)
 
 # The same fixed budget through guidellm (the vLLM project's benchmark tool), decode-heavy: 512-token prompts,
 # 256 new, at 8 and 32 streams, compression off against dynamic 0.6 (about 15 minutes on 2 cores).
 bench-guidellm: model
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) benchmarks/serving_guidellm.py $(ARGS)
+	$(PY) benchmarks/serving_guidellm/run.py $(ARGS)
 
 # lm-eval's RULER tasks through /v1/completions at each setup: at 4k every task, 5 cases a task (about 50
 # minutes on 2 cores); at 8k the needle alone, 5 cases (about 40 minutes: the other tasks score near zero on
@@ -97,52 +97,52 @@ bench-guidellm: model
 # 8,192-token context.
 bench-ruler: model
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) benchmarks/ruler.py --lengths 4096 --limit 5 --setups 'compression off' 'uniform int8' 'dynamic, budget ~25%' 'dynamic, budget ~10%' 'dynamic, budget ~5%' --out benchmarks/results/ruler_4k $(ARGS)
-	$(PY) benchmarks/ruler.py --tasks niah_single_1 --lengths 8192 --limit 5 --setups 'compression off' 'uniform int8' 'dynamic, budget ~25%' 'dynamic, budget ~10%' 'dynamic, budget ~5%' --out benchmarks/results/ruler_8k $(ARGS)
+	$(PY) benchmarks/ruler/run.py --lengths 4096 --limit 5 --setups 'compression off' 'uniform int8' 'dynamic, budget ~25%' 'dynamic, budget ~10%' 'dynamic, budget ~5%' --out benchmarks/ruler/results/ruler_4k $(ARGS)
+	$(PY) benchmarks/ruler/run.py --tasks niah_single_1 --lengths 8192 --limit 5 --setups 'compression off' 'uniform int8' 'dynamic, budget ~25%' 'dynamic, budget ~10%' 'dynamic, budget ~5%' --out benchmarks/ruler/results/ruler_8k $(ARGS)
 
 # Exact values kept by word (as shipped) and by token at about 8%, 5% and 3% of the bytes, with RULER's
 # needle, 40 fresh cases a task at 4k and 8k (several hours on a CPU); SEED=n draws other cases. The
 # embedded model copies no UUID exactly and no name in prose even uncompressed, so those tasks are
-# left out by default (EXACT_TASKS chooses among benchmarks/exact_values/exact_*.yaml).
+# left out by default (EXACT_TASKS chooses among benchmarks/ruler/exact_values/exact_*.yaml).
 SEED ?= 100
 EXACT_TASKS ?= exact_number_repeat exact_number_prose exact_name_repeat
 bench-exact: model
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) benchmarks/ruler.py --tasks niah_single_1 $(EXACT_TASKS) \
-		--lengths 4096 8192 --limit 40 --seed $(SEED) --out benchmarks/results/exact_values --setups \
+	$(PY) benchmarks/ruler/run.py --tasks niah_single_1 $(EXACT_TASKS) \
+		--lengths 4096 8192 --limit 40 --seed $(SEED) --out benchmarks/ruler/results/exact_values --setups \
 		"compression off" "dynamic, budget ~8%" "dynamic, budget ~5%" "dynamic, budget ~3%" \
 		"dynamic by token, budget ~8%" "dynamic by token, budget ~5%" "dynamic by token, budget ~3%" $(ARGS)
 
 # The engine in-process against transformers' generate_batch and generate, and the compression overhead.
 bench-engine: model
-	$(PY) benchmarks/serving.py $(ARGS)
+	$(PY) benchmarks/serving/run.py $(ARGS)
 
 # Decode step at the same batch, compression off against int8 at 0.6/0.75/0.875 (BASELINE=rev: also that revision).
 bench-decode: model
-	$(PY) benchmarks/decode_step.py $(if $(BASELINE),--baseline $(BASELINE)) --profile-seqs 32 $(ARGS)
+	$(PY) benchmarks/decode_step/run.py $(if $(BASELINE),--baseline $(BASELINE)) --profile-seqs 32 $(ARGS)
 
 bench-predictor: model
-	$(PY) benchmarks/predictor.py --traces $(TRACES) $(ARGS)
+	$(PY) benchmarks/predictor/run.py --traces $(TRACES) $(ARGS)
 
 bench-prefix: model bench-peers
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) benchmarks/prefix_cache.py $(ARGS)
-	$(PY) benchmarks/prefix_questions.py --peers
+	$(PY) benchmarks/prefix_cache/run.py $(ARGS)
+	$(PY) benchmarks/prefix_questions/run.py --peers
 
 bench-capacity: model
-	$(PY) benchmarks/capacity.py $(ARGS)
+	$(PY) benchmarks/capacity/run.py $(ARGS)
 
 # KV memory allocated as requests move between storage formats; ARGS="--compare REV" measures REV beside.
 bench-memory: model
-	$(PY) benchmarks/memory_formats.py $(ARGS)
+	$(PY) benchmarks/memory_formats/run.py $(ARGS)
 
 # Engine replicas on a local Ray cluster: 1 replica, 2 with Ray's default router, 2 with ours, on conversations.
 bench-ray: model
-	$(PY) benchmarks/ray_serving.py $(ARGS)
+	$(PY) benchmarks/ray_serving/run.py $(ARGS)
 
 # The cache inspector's token map drawn in headless Chromium: 4096 tokens x 30 layers (no model, no server).
 bench-inspect: $(STAMP) tools
-	$(PY) benchmarks/inspect_render.py $(ARGS)
+	$(PY) benchmarks/inspect_render/run.py $(ARGS)
 
 # kvpress 0.5.5 needs transformers < 5.3: its own environment, with the same CPU build of torch.
 PEERS_VENV := .venv-peers
@@ -170,38 +170,34 @@ bench-quality: bench-quality-peers bench-quality-thresholds bench-quality-confid
 
 bench-quality-peers: model bench-peers
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) benchmarks/quality.py --peers $(ARGS)
+	$(PY) benchmarks/quality/run.py benchmarks/quality/runs/default.yaml $(ARGS)
 
 bench-quality-thresholds: model
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) benchmarks/quality.py --policies --rates 0.6 --thresholds 0.9:0.7 0.8:0.5 0.6:0.3 \
-		--fixed-rates 0.75 0.82 0.875 --out benchmarks/results/quality_thresholds_request
+	$(PY) benchmarks/quality/run.py benchmarks/quality/runs/thresholds_request.yaml $(ARGS)
 
 bench-quality-confidence: model
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) benchmarks/quality.py --policies --doubt-weights 0.5 0 -0.5 --rates 0.9 --answer-tokens 192 --no-uniform \
-		--out benchmarks/results/quality_confidence_long
+	$(PY) benchmarks/quality/run.py benchmarks/quality/runs/confidence_long.yaml $(ARGS)
 
 bench-quality-long: model bench-peers
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) benchmarks/quality.py --long $(ARGS)
+	$(PY) benchmarks/quality/run.py benchmarks/quality/runs/long.yaml $(ARGS)
 
 bench-quality-long-held-out: model
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) benchmarks/quality.py --needle-lengths 4000 7000 --needles-from 36 --needles 24 --summaries 0 \
-		--perplexity-tokens 0 --no-forced --rates 0.875 0.95 0.97 --policies dynamic snapkv --baseline-storage int8 \
-		--dynamic-storages int8 kivi4 --poolings max:3 --lookahead 16 --no-uniform --out benchmarks/results/quality_long_held_out
+	$(PY) benchmarks/quality/run.py benchmarks/quality/runs/long_held_out.yaml $(ARGS)
 
 bench-quality-prefix: model bench-peers
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) benchmarks/prefix_questions.py --peers
+	$(PY) benchmarks/prefix_questions/run.py --peers
 
 # The GPU check runs on a machine with one NVIDIA GPU and no network, on that machine's own python3 and
 # torch (pyproject.toml, [tool.conf-kv.gpu-machine]). Here, where PyPI is reachable: `make gpu-bundle`
 # gathers what it lacks into .gpu-bundle/ (wheels, random-weight model folders; about 11 MiB). There, with
 # .gpu-bundle/ brought along: `make gpu-check` (or `bash scripts/gpu_check.sh`), under 7 minutes: the CUDA
 # tests, then the decode step and fixed-budget serving on a Llama-3.1-8B-shaped model in bf16; results in
-# benchmarks/results/gpu/. `make gpu-dry-run`: the same script with tiny shapes on this CPU (the tests run it).
+# benchmarks/gpu_check/results/. `make gpu-dry-run`: the same script with tiny shapes on this CPU (the tests run it).
 gpu-bundle: model
 	$(PY) -m scripts.gpu_bundle build
 

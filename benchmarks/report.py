@@ -1,14 +1,17 @@
 """How every benchmark saves its figures, and how the documents show them.
 
-A benchmark prints its table and writes OUT.md and OUT.json side by side; the JSON carries its
-provenance: the commit, the command, the date, a digest of the code it measures and one of the
-benchmark script itself. The figures in the README and the results book (`docs/results.md`) are
+Each benchmark is a folder, `benchmarks/<name>/`: its script `run.py`, its page `README.md` and its
+`results/`; past code measured on purpose is kept in `benchmarks/experiments/`. A benchmark prints
+its table and writes OUT.md and OUT.json side by side; the JSON carries its provenance: the commit,
+the command, the date, a digest of the code it measures and one of the benchmark script itself. The
+figures in the README, the results book (`docs/results.md`) and the benchmarks' pages are
 generated from those files (`python -m benchmarks.report`, `make docs`) between markers
 `<!-- results NAME -->` and `<!-- /results -->` (`<!-- results NAME: Heading | Heading -->` shows
 only the file's opening text and the `####` sections whose headings start so), and a result whose
 measured code or script has changed since is marked stale there, so a table can neither drift from
 its file nor outlive its code without saying so; the book's index of stale results
-(`<!-- stale index -->`) is computed too. A test holds the documents to what this module generates.
+(`<!-- stale index -->`) and each benchmark page's list of its results (`<!-- list of results -->`)
+are computed too. A test holds the documents to what this module generates.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from pathlib import Path
 from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+BENCHMARKS = ROOT / "benchmarks"
 README = ROOT / "README.md"
-DOCUMENTS = (README, *sorted((ROOT / "docs").glob("*.md")))  # the documents whose figures are generated
+# The documents whose figures are generated: the front page, the book and each benchmark's own page.
+DOCUMENTS = (README, *sorted((ROOT / "docs").glob("*.md")), *sorted(BENCHMARKS.glob("*/README.md")))
 # What the figures of a benchmark depend on: the server's code, its models and its configuration
 # (the benchmark scripts are the instrument, not what is measured).
 SERVER_CODE = ("confkv",)
@@ -37,6 +41,7 @@ SOURCE_SNAPSHOT_ENV = "CONFKV_SOURCE"
 _BLOCK = re.compile(r"(<!-- results (?P<name>[\w-]+)(?:: (?P<sections>[^>]+?))? -->\n).*?(<!-- /results -->)", re.S)
 _SECTION = re.compile(r"^(?=#### )", re.M)
 _INDEX = re.compile(r"(<!-- stale index -->\n).*?(<!-- /stale index -->)", re.S)
+_LIST = re.compile(r"(<!-- list of results -->\n).*?(<!-- /list of results -->)", re.S)
 
 
 @dataclass(frozen=True)
@@ -45,13 +50,14 @@ class Provenance:
 
     commit: str
     date: str
-    command: str
+    command: str  # in today's layout; `command_as_run` keeps the words it ran with where they differ
     measures: tuple[str, ...]
     code_digest: str
     uncommitted: bool = False  # the measured paths differed from the commit when it ran
     historical: str = ""  # why a result of past code is kept (it is then never stale)
     script: str = ""  # the benchmark script, relative to the repository ("": not recorded, older results)
     script_digest: str = ""
+    command_as_run: str = ""
 
     @classmethod
     def capture(cls, measures: tuple[str, ...] = SERVER_CODE) -> Provenance:
@@ -105,19 +111,6 @@ def save_report(
     settings = {"args": {k: _text(v) for k, v in given if k not in ("out", "provenance")}} if given else {}
     record = {"provenance": asdict(provenance or Provenance.capture()), **settings, **data}
     out.with_suffix(".json").write_text(json.dumps(record, indent=2))
-
-
-def add_placement_options(parser: argparse.ArgumentParser) -> None:
-    """`--device`, `--dtype` and `--model-path`: where a benchmark runs which model. Their defaults
-    (the CPU, the dtype `load_model` picks, the embedded model) are what the results at the top of
-    benchmarks/results were measured with, so a command that gives none of them measures the same."""
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument(
-        "--dtype",
-        choices=["float32", "float16", "bfloat16"],
-        help="model dtype; default: fp32 on CPU, else the model's",
-    )
-    parser.add_argument("--model-path", type=Path, help="a local Hugging Face model folder; default: the embedded one")
 
 
 def pyplot() -> ModuleType:
@@ -191,14 +184,25 @@ def _under(path: str, paths: tuple[str, ...]) -> bool:
     return any(path == p or path.startswith(p.rstrip("/") + "/") for p in paths)
 
 
-def readme_block(
-    name: str, results: Path = RESULTS, sections: tuple[str, ...] = (), link: str = "benchmarks/results"
-) -> str:
-    """What a document shows for results NAME: its provenance, staleness and tables (all, or the
-    opening text and the `####` sections whose headings start with one of `sections`); `link` is
-    the results folder as the document links it."""
-    prov = Provenance.of(json.loads((results / f"{name}.json").read_text()))
-    body = (results / f"{name}.md").read_text().split("\n", 1)[1].strip()  # without its title
+def result_folders(benchmarks: Path = BENCHMARKS) -> list[Path]:
+    """Where results are kept: each benchmark's `results/`, and `experiments/` for past code measured on purpose."""
+    return [*sorted(benchmarks.glob("*/results")), benchmarks / "experiments"]
+
+
+def result_file(name: str, folders: list[Path]) -> Path:
+    """Results NAME's JSON file; names are unique over all the folders."""
+    found = [folder / f"{name}.json" for folder in folders if (folder / f"{name}.json").is_file()]
+    if len(found) != 1:
+        raise ValueError(f"results {name!r}: {len(found)} files named {name}.json in {[str(f) for f in folders]}")
+    return found[0]
+
+
+def readme_block(name: str, folders: list[Path], sections: tuple[str, ...] = (), document_dir: Path = ROOT) -> str:
+    """What a document in `document_dir` shows for results NAME: its provenance, staleness and tables
+    (all, or the opening text and the `####` sections whose headings start with one of `sections`)."""
+    path = result_file(name, folders)
+    prov = Provenance.of(json.loads(path.read_text()))
+    body = path.with_suffix(".md").read_text().split("\n", 1)[1].strip()  # without its title
     if sections:
         opening, *parts = _SECTION.split(body)
         chosen = [part.strip() for part in parts if part.removeprefix("#### ").startswith(sections)]
@@ -206,7 +210,7 @@ def readme_block(
             raise ValueError(f"{name}.md lacks a section starting with one of {sections}")
         body = "\n\n".join([opening.strip(), *chosen])
     file = f"{name}.md" if sections else f"{name}.json"
-    source = f"[`{file}`]({link}/{file}){', in part' if sections else ''}"
+    source = f"[`{file}`]({_link(path.with_name(file), document_dir)}){', in part' if sections else ''}"
     state = " (with uncommitted changes)" if prov.uncommitted else ""
     lines = [f"*{source}: measured at {prov.commit}{state} on {prov.date} by `{prov.command}`.*"]
     if prov.historical:
@@ -223,24 +227,42 @@ def readme_block(
     return "\n\n".join([*lines, body]) + "\n"
 
 
-def render_document(text: str, document: Path = README, results: Path = RESULTS) -> str:
-    """`text` (of `document`) with every results block and the stale index regenerated from the files."""
-    link = Path(os.path.relpath(results, document.parent)).as_posix()
+def render_document(text: str, document: Path = README, folders: list[Path] | None = None) -> str:
+    """`text` (of `document`) with every results block, the stale index and, on a benchmark's page, the
+    list of its results regenerated from the files."""
+    folders = result_folders() if folders is None else folders
 
     def block(match: re.Match) -> str:
         sections = tuple(s.strip() for s in (match["sections"] or "").split("|") if s.strip())
-        return match.group(1) + readme_block(match["name"], results, sections, link) + match.group(4)
+        return match.group(1) + readme_block(match["name"], folders, sections, document.parent) + match.group(4)
 
-    text = _INDEX.sub(lambda m: m.group(1) + stale_index(results, link) + m.group(2), text)
+    text = _INDEX.sub(lambda m: m.group(1) + stale_index(folders, document.parent) + m.group(2), text)
+    text = _LIST.sub(
+        lambda m: m.group(1) + results_list(document.parent / "results", document.parent) + m.group(2), text
+    )
     return _BLOCK.sub(block, text)
 
 
-def stale_index(results: Path = RESULTS, link: str = "benchmarks/results") -> str:
+def results_list(folder: Path, document_dir: Path) -> str:
+    """A benchmark's results: each file, whether it is current, and the command that makes it."""
+    lines = []
+    for path in sorted(folder.glob("*.json")):
+        prov = Provenance.of(json.loads(path.read_text()))
+        state = "stale" if prov.is_stale() else "current"
+        lines.append(f"- [`{path.name}`]({_link(path, document_dir)}), {prov.commit}, {state}: `{prov.command}`")
+    return "\n".join(lines or ["- none yet"]) + "\n"
+
+
+def _link(path: Path, document_dir: Path) -> str:
+    return Path(os.path.relpath(path, document_dir)).as_posix()
+
+
+def stale_index(folders: list[Path], document_dir: Path) -> str:
     """Every result whose measured code or script changed since it ran, and every historical one."""
     stale, historical = [], []
-    for path in sorted(results.glob("*.json")):
+    for path in sorted((p for folder in folders for p in folder.glob("*.json")), key=lambda p: p.name):
         prov = Provenance.of(json.loads(path.read_text()))
-        entry = f"[`{path.name}`]({link}/{path.name}), {prov.commit}"
+        entry = f"[`{path.name}`]({_link(path, document_dir)}), {prov.commit}"
         if prov.historical:
             historical.append(f"- {entry}: {prov.historical}")
         elif prov.is_stale():
@@ -285,7 +307,7 @@ def _text(value: object) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Regenerate the documents' figures from benchmarks/results.")
+    parser = argparse.ArgumentParser(description="Regenerate the documents' figures from the benchmarks' results.")
     parser.add_argument("--check", action="store_true", help="exit 1 if a document differs, write nothing")
     args = parser.parse_args()
     for document in DOCUMENTS:
@@ -293,7 +315,7 @@ def main() -> None:
         rendered = render_document(text, document)
         if args.check:
             if rendered != text:
-                sys.exit(f"{document.name}: figures differ from benchmarks/results: run `make docs`")
+                sys.exit(f"{document.name}: figures differ from the benchmarks' results: run `make docs`")
             continue
         document.write_text(rendered)
         for match in _BLOCK.finditer(rendered):

@@ -152,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "load_tests" / "results" / "load")
     parser.add_argument("--server-arg", action="append", default=[], help="extra serve.py flag (repeatable)")
     parser.add_argument("--watch-alerts", action="store_true", help="run Prometheus and Alertmanager beside it")
-    parser.add_argument("--alerts-out", type=Path, default=ROOT / "benchmarks" / "results" / "load_alerts")
+    parser.add_argument(
+        "--alerts-out", type=Path, default=ROOT / "benchmarks" / "load_alerts" / "results" / "load_alerts"
+    )
     args = parser.parse_args(argv)
     with served(args.host, args.server_arg) as (host, _), tempfile.TemporaryDirectory() as workdir:
         if not args.watch_alerts:

@@ -6,7 +6,7 @@
 #    its torch, triton and transformers, a CUDA device), and stops saying how it differs otherwise;
 # 2. installs the bundle's wheels into a scratch folder on PYTHONPATH, offline, never replacing a
 #    package of the machine's own (its torch stays);
-# 3. runs benchmarks/gpu_check.py with this script's arguments, the bundle's random-weight models as
+# 3. runs benchmarks/gpu_check/run.py with this script's arguments, the bundle's random-weight models as
 #    the model cache.
 #
 # --dry-run (first argument), on any machine: the machine's differences are warnings, the wheels are
@@ -48,6 +48,6 @@ fi
 # The bundle's models; results name the commit the bundle recorded where the tree came without git.
 export CONFKV_MODEL_CACHE="$BUNDLE/models" CONFKV_SOURCE="$BUNDLE/source.json" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 status=0
-stage "gpu check" "$PYTHON" benchmarks/gpu_check.py ${DRY_RUN:+--dry-run} "$@" || status=$?
+stage "gpu check" "$PYTHON" benchmarks/gpu_check/run.py ${DRY_RUN:+--dry-run} "$@" || status=$?
 echo "== all: $((SECONDS - started)) s"
 exit "$status"

@@ -194,7 +194,7 @@ def test_the_guidellm_benchmark_compares_both_modes_at_one_budget(tmp_path):
     """`make bench-guidellm` in a few requests: both modes measured by guidellm, saved with a plot."""
     out = tmp_path / "serving_guidellm"
     run = subprocess.run(
-        [sys.executable, "benchmarks/serving_guidellm.py", "--streams", "2", "--requests", "2"]
+        [sys.executable, "benchmarks/serving_guidellm/run.py", "--streams", "2", "--requests", "2"]
         + ["--prompt-tokens", "32", "--max-tokens", "4", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
@@ -215,7 +215,7 @@ def test_ruler_benchmark_scores_a_needle_through_local_completions(server, tmp_p
     answered through /v1/completions, with the bytes the server kept read from its /metrics."""
     from argparse import Namespace
 
-    from benchmarks.ruler import run_length
+    from benchmarks.ruler.run import run_length
 
     for name, value in OFFLINE.items():
         monkeypatch.setenv(name, value)
@@ -229,7 +229,7 @@ def test_ruler_benchmark_scores_a_needle_through_local_completions(server, tmp_p
 
 def test_an_exact_value_copied_in_part_is_told_apart_from_a_miss(tokenizer):
     """The exact-value tasks' verdicts, and cases that fill their length with the needle inside."""
-    from benchmarks.exact_values.utils import case, judge
+    from benchmarks.ruler.exact_values.utils import case, judge
 
     assert judge("9746862", " 9746862.") == "exact"
     assert judge("9746862", "974862") == "partial"  # a digit lost from the middle, as eviction leaves it

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.ray_serving import (
+from benchmarks.ray_serving.run import (
     conversations,
     deploy,
     local_cluster,
@@ -195,7 +195,7 @@ def test_our_router_keeps_each_conversation_where_its_prefix_is_cached(cluster):
     """Every later turn goes to the replica that served the conversation, and finds its earlier turns
     cached there. Against Ray's default router this is a figure, not a test: power-of-two choices
     often sends a turn back to the replica it just left (the least loaded one), so how far it falls
-    behind varies from run to run; `benchmarks/ray_serving.py` measures it."""
+    behind varies from run to run; `benchmarks/ray_serving/run.py` measures it."""
     convs = conversations(6, 3, words=300, seed=1)
     roomy = {**SETTINGS, "max_cache_size": "512MB"}  # every conversation's prefix fits
     deploy(cluster, replica_settings(**roomy, cluster={"replicas": 2}))

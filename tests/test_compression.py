@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.inspect_render import tiers_by_position
+from benchmarks.inspect_render.run import tiers_by_position
 from confkv.compress.config import CompressionConfig, resolve
 from confkv.compress.history import FULL, KEY_ONLY
 from confkv.compress.scoring import POLICIES, LayerEntries, ScorePolicy

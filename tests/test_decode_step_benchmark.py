@@ -26,7 +26,7 @@ def _measuring_children(parent: psutil.Process) -> list[psutil.Process]:
 
 
 def test_stopping_the_benchmark_stops_its_measuring_child(tmp_path, default_path):
-    command = [sys.executable, "benchmarks/decode_step.py", "--seqs", "1", "--prompt-tokens", "16", "--steps", "1"]
+    command = [sys.executable, "benchmarks/decode_step/run.py", "--seqs", "1", "--prompt-tokens", "16", "--steps", "1"]
     command += ["--model-path", str(default_path), "--out", str(tmp_path / "decode_step")]
     parent = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -19,7 +19,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from benchmarks import gpu_check
+from benchmarks.gpu_check import run as gpu_check
 from benchmarks.report import SOURCE_SNAPSHOT_ENV, code_digest, snapshot_source
 from scripts import gpu_bundle
 from tests.helpers import ROOT
@@ -147,7 +147,7 @@ def test_results_name_their_commit_in_a_copy_without_git(tmp_path, monkeypatch):
 def test_the_check_refuses_a_machine_without_cuda_saying_what_to_do():
     if __import__("torch").cuda.is_available():
         pytest.skip("this machine has CUDA")
-    run = subprocess.run([sys.executable, "benchmarks/gpu_check.py"], cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "benchmarks/gpu_check/run.py"], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 1
     assert "CUDA is not available" in run.stderr and "--dry-run" in run.stderr
 
@@ -176,6 +176,6 @@ def test_the_check_runs_dry_on_the_cpu_from_the_bundle(bundle, tmp_path):
     assert all(row["mean_step_ms"] > 0 and 0 <= row["compressor_share"] < 1 for row in decode.values())
     assert check["serving"]["errors"] == 0 and check["serving"]["off_tokens_per_s"] > 0
     assert check["targets"]["throughput"]["met"] in ("met", "not met")
-    serving = json.loads((results / "serving_fixed_budget.json").read_text())
+    serving = json.loads((results / "gpu_serving_fixed_budget.json").read_text())
     assert serving["args"]["model_path"] == "SmolLM2-135M-Instruct-random-0"
     assert (results / "gpu_check.md").read_text().startswith("# GPU check")

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from hypothesis import given
 from hypothesis import strategies as st
 
-from benchmarks.inspect_render import tier_counts, tiers_by_position
+from benchmarks.inspect_render.run import tier_counts, tiers_by_position
 from confkv.compress.config import resolve
 from confkv.compress.history import FULL, KEY_ONLY, TierHistory, _runs
 from confkv.engine.inspection import InspectionRecord, InspectionStore

@@ -3,7 +3,7 @@ the bytes per layer, the comparison with the uncompressed answer and the live pa
 
 The first tests read the page from disk and give it synthetic records (no server); the last drives it
 against the live server. CONFKV_SAVE_INSPECT_FIGURES=1 saves a screenshot of a real run to
-benchmarks/results/inspect.png (the render time is recorded by benchmarks/inspect_render.py).
+benchmarks/inspect_render/results/inspect.png (the render time is recorded by benchmarks/inspect_render/run.py).
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 from playwright.sync_api import sync_playwright
 
-from benchmarks.inspect_render import (
+from benchmarks.inspect_render.run import (
     launch_chromium,
     open_page_from_disk,
     synthetic_record,
     tier_counts,
     tiers_by_position,
 )
-from benchmarks.report import RESULTS
+from benchmarks.report import BENCHMARKS
 
 SAVE_FIGURES = os.environ.get("CONFKV_SAVE_INSPECT_FIGURES") == "1"
 TIER_NAMES = {2: "FULL", 1: "KEY_ONLY", 0: "dropped"}
@@ -288,8 +288,9 @@ def test_a_real_run_is_drawn_as_the_api_records_it(server, browser, page_errors)
         page.set_viewport_size({"width": 1400, "height": page.evaluate("document.body.scrollHeight") + 40})
         page.wait_for_timeout(500)
         hover(page, layer, pos)  # the same prompt: the same cell
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=RESULTS / "inspect.png", full_page=True)
+        results = BENCHMARKS / "inspect_render" / "results"
+        results.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=results / "inspect.png", full_page=True)
 
     # The page reopened on the last request's id shows its record.
     record = httpx.get(f"{server.url}/inspect/requests/{run['id']}", timeout=30).raise_for_status().json()

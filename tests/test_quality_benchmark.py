@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 
-from benchmarks import quality
-from benchmarks.quality import Row, Setup, Tasks
+from benchmarks.quality import run as quality
+from benchmarks.quality.plan import RUNS, RunFile
+from benchmarks.quality.run import Row, Setup, Tasks
 from benchmarks.tasks import FidelityCase, NeedleCase
 
 
@@ -181,22 +183,66 @@ def test_saved_results_are_read_back_for_a_new_report(tmp_path):
 def test_the_confidence_ablation_sets_dynamics_doubt_weight():
     from confkv.compress.config import CompressionConfig, resolve
 
-    plan = quality.setups([0.75], ("dynamic",), doubt_weights=[0.5, 0.0, -0.5])
+    plan = RunFile.load(RUNS / "confidence.yaml").plan()
     ablation = [s for s in plan if s.doubt_weight is not None]
     assert [s.label for s in ablation] == [f"dynamic, doubt_weight {w}" for w in ("+0.5", "+0", "-0.5")]
     weights = [resolve(CompressionConfig(), quality.request_of(s), True, False).scorer().doubt_weight for s in ablation]
-    assert weights == [0.5, 0.0, -0.5]
-    assert resolve(CompressionConfig(), quality.request_of(plan[3]), True, False).scorer().doubt_weight == 0.5
+    assert weights == [0.5, 0.0, -0.5] and {s.rate for s in ablation} == {0.9}
+    as_shipped = Setup("dynamic", "int8", "dynamic", 0.9)
+    assert resolve(CompressionConfig(), quality.request_of(as_shipped), True, False).scorer().doubt_weight == 0.5
 
 
 def test_the_lookahead_rows_ask_the_server_to_look_ahead():
     from confkv.compress.config import CompressionConfig, resolve
 
-    plan = quality.setups([0.95], ("dynamic",), uniform=(), lookahead=(8, 16))
-    ahead = [s for s in plan if s.lookahead]
-    assert [s.label for s in ahead] == ["dynamic, lookahead 8", "dynamic, lookahead 16"]
+    run = RunFile.model_validate(
+        {
+            "rates": [0.95],
+            "setups": [
+                {"label": "dynamic"},
+                {"label": "dynamic, lookahead 8", "lookahead": 8},
+                {"label": "dynamic, lookahead 16", "lookahead": 16},
+            ],
+        }
+    )
+    plan = run.plan()
     asked = [resolve(CompressionConfig(), quality.request_of(s), True, False).lookahead_tokens for s in plan]
     assert asked == [0, 0, 8, 16]  # uncompressed, dynamic as shipped, then the two rows
+
+
+def test_a_run_file_plans_uncompressed_first_then_each_rate_and_refuses_what_it_does_not_know():
+    run = RunFile.model_validate(
+        {
+            "rates": [0.6, 0.9],
+            "setups": [
+                {"label": "uniform int4", "policy": "none", "storage": "int4"},
+                {"label": "dynamic"},
+                {"label": "dynamic, rate only", "thresholds_decide": False, "rates": [0.75]},
+            ],
+        }
+    )
+    plan = [(s.label, s.rate) for s in run.plan()]
+    assert plan == [
+        ("uncompressed", 0.0),
+        ("uniform int4", 0.0),  # compresses nothing: once
+        ("dynamic", 0.6),
+        ("dynamic", 0.9),
+        ("dynamic, rate only", 0.75),  # its own rates
+    ]
+    assert run.tasks.needles == 9 and run.peers is None  # the defaults: the usual cases, no kvpress
+    with pytest.raises(ValidationError, match="poolings"):
+        RunFile.model_validate({"setups": [{"label": "x", "poolings": ["max:3"]}]})
+    with pytest.raises(ValidationError, match="needles"):
+        RunFile.model_validate({"tasks": {"needles": -1}})
+
+
+@pytest.mark.parametrize("path", sorted(RUNS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_run_file_is_valid_and_its_results_are_where_the_book_finds_them(path):
+    run = RunFile.load(path)
+    plan = run.plan()
+    assert plan[0].label == "uncompressed" and len({(s.label, s.rate) for s in plan}) == len(plan)
+    name = "quality" if path.stem == "default" else f"quality_{path.stem}"
+    assert (RUNS.parent / "results" / f"{name}.json").is_file(), f"{path.name}: no results file {name}.json"
 
 
 def test_long_answers_run_their_length_in_full(default_model, tokenizer):
@@ -242,14 +288,17 @@ def test_kivi_at_full_width_answers_as_the_model_does(default_model, tokenizer):
     assert answers[2] != answers[16]  # 2 bits on this model moves the answer
 
 
-def test_the_long_preset_puts_every_row_at_the_frontier(monkeypatch, tokenizer):
+def test_the_long_run_puts_every_row_at_the_frontier(monkeypatch, tokenizer):
     from confkv.compress.config import CompressionConfig, resolve
 
-    monkeypatch.setattr(sys, "argv", ["quality.py", "--long", "--needles", "4"])
+    monkeypatch.setattr(sys, "argv", ["run.py", str(RUNS / "long.yaml"), "--threads", "1"])
     args = quality.parse_args()
-    assert args.needles == 4 and args.needle_lengths == [4000, 7000] and not args.forced
+    assert args.needles == 12 and args.needle_lengths == [4000, 7000] and not args.forced
     assert args.peers and args.peers_after and args.presses == ["SnapKV", "AdaKV(SnapKV)"]  # per-head budgets
-    plan = quality.plan_of(args)
+    assert args.out == RUNS.parent / "results" / "quality_long" and "benchmarks/quality/runs/long.yaml" in (
+        args.provenance.measures
+    )
+    plan = args.run.plan()
     labels = {s.label for s in plan}
     assert {"uncompressed", "uniform kivi4", "KIVI-2", "KIVI-4", "dynamic", "dynamic, kivi4", "tova, int8"} <= labels
     assert {"snapkv, int8", "dynamic, pyramid layers", "dynamic, adaptive layers"} <= labels

@@ -1,4 +1,4 @@
-"""The documents' figures are generated from benchmarks/results and say when their code or script has
+"""The documents' figures are generated from the benchmarks' results and say when their code or script has
 changed; the settings tables are generated from the settings' declarations."""
 
 import json
@@ -12,20 +12,22 @@ import pytest
 from benchmarks.report import (
     DOCUMENTS,
     README,
-    RESULTS,
     Provenance,
     code_digest,
     readme_block,
     render_document,
+    result_file,
+    result_folders,
+    results_list,
     stale_index,
 )
 from scripts import settings_reference
 
 
-@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: str(p.relative_to(README.parent)))
 def test_every_document_is_what_its_results_files_generate(document):
     text = document.read_text()
-    assert render_document(text, document) == text, f"{document.name} differs from benchmarks/results: run `make docs`"
+    assert render_document(text, document) == text, f"{document.name} differs from the results: run `make docs`"
 
 
 def test_the_readme_and_the_results_book_show_figures_and_the_book_computes_its_stale_index():
@@ -41,7 +43,21 @@ def test_configuration_doc_is_generated_from_every_setting():
         assert flag in text
 
 
-@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.stem)
+RESULT_FILES = sorted((p for folder in result_folders() for p in folder.glob("*.json")), key=lambda p: p.name)
+
+
+def test_every_benchmark_is_a_folder_with_its_script_page_and_results_and_result_names_are_unique():
+    folders = [f.parent for f in result_folders() if f.name == "results"]
+    assert {f.name for f in folders} >= {"decode_step", "quality", "ruler", "serving_http", "prefix_cache"}
+    for folder in folders:
+        assert (folder / "README.md").is_file(), f"{folder.name} has no page"
+        assert (folder / "run.py").is_file() or folder.name == "load_alerts", f"{folder.name} has no run.py"
+    names = [p.stem for p in RESULT_FILES]
+    assert len(names) == len(set(names)), "two results files share a name"
+    assert result_file("decode_step", result_folders()).parent.parent.name == "decode_step"
+
+
+@pytest.mark.parametrize("path", RESULT_FILES, ids=lambda p: p.stem)
 def test_every_results_file_names_its_commit_command_date_and_measured_code(path):
     prov = Provenance.of(json.loads(path.read_text()))
     assert len(prov.commit) >= 7 and prov.command.startswith(("python benchmarks/", "python load_tests/"))
@@ -75,7 +91,7 @@ def test_a_block_says_stale_once_the_measured_code_changed_and_never_for_a_histo
 
     def block(prov):
         (tmp_path / "run.json").write_text(json.dumps({"provenance": asdict(prov)}))
-        return readme_block("run", tmp_path)
+        return readme_block("run", [tmp_path])
 
     current = block(now)
     assert "Stale" not in current and current.endswith("| 1 |\n") and "# Title" not in current
@@ -88,12 +104,13 @@ def test_a_block_says_stale_once_the_measured_code_changed_and_never_for_a_histo
 def test_a_block_may_show_only_some_sections_of_its_file(tmp_path):
     (tmp_path / "run.md").write_text("# Title\n\nCases.\n\n#### Needle\n\n| n |\n\n#### Perplexity\n\n| p |\n")
     (tmp_path / "run.json").write_text(json.dumps({"provenance": asdict(Provenance.capture(("app",)))}))
-    part = readme_block("run", tmp_path, ("Perplexity",))
+    part = readme_block("run", [tmp_path], ("Perplexity",))
     assert "Cases." in part and "#### Perplexity\n\n| p |" in part and "Needle" not in part and "in part" in part
     text = "<!-- results run: Needle | Perplexity -->\n<!-- /results -->\n"
-    assert "| n |" in render_document(text, results=tmp_path) and "| p |" in render_document(text, results=tmp_path)
+    rendered = render_document(text, tmp_path / "README.md", [tmp_path])
+    assert "| n |" in rendered and "| p |" in rendered
     with pytest.raises(ValueError, match="lacks a section"):
-        readme_block("run", tmp_path, ("Latency",))
+        readme_block("run", [tmp_path], ("Latency",))
 
 
 def test_a_result_goes_stale_when_its_script_changes_and_the_index_lists_it(tmp_path, monkeypatch):
@@ -112,11 +129,13 @@ def test_a_result_goes_stale_when_its_script_changes_and_the_index_lists_it(tmp_
     results.mkdir()
     (results / "run.md").write_text("# Title\n\n| a |\n")
     (results / "run.json").write_text(json.dumps({"provenance": asdict(replace(prov, measures=("app",)))}))
-    assert "- none" in stale_index(results).split("**Historical**")[0]
+    assert "- none" in stale_index([results], tmp_path).split("**Historical**")[0]
+    listed = results_list(results, tmp_path)
+    assert listed == f"- [`run.json`](results/run.json), {prov.commit}, current: `{prov.command}`\n"
     script.write_text("rate = 2\n")
-    index = stale_index(results, link="../results")
+    index = stale_index([results], tmp_path / "docs")
     assert "[`run.json`](../results/run.json)" in index and "benchmarks/bench.py" in index
-    assert "Stale" in readme_block("run", results)
+    assert "Stale" in readme_block("run", [results]) and ", stale:" in results_list(results, tmp_path)
 
 
 def _anchors(path):
@@ -125,7 +144,7 @@ def _anchors(path):
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
 
 
-@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: str(p.relative_to(README.parent)))
 def test_every_link_between_the_documents_resolves(document):
     text = re.sub(r"```.*?```", "", document.read_text(), flags=re.S)
     for target in re.findall(r"\]\(([^)\s]+)\)", text):

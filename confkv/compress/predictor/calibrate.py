@@ -3,7 +3,7 @@
 For every sampled entry of the training traces: its relative value as the dynamic policy computes
 it (the predictor's forecast, or the decayed attention, raised for doubtful tokens, over the
 average held entry's) and whether it turned out needed over the following window; one isotonic
-table per source. The held-out traces are left for the evidence (`benchmarks/predictor.py`).
+table per source. The held-out traces are left for the evidence (`benchmarks/predictor/run.py`).
 
     python -m confkv.compress.predictor.calibrate --traces traces/
 """

@@ -1,0 +1,350 @@
+"""Decode step time at the same batch: compression off against int8 (and kivi4) storage at several rates.
+
+N sequences of P prompt tokens are prefilled, then decode together (greedy, EOS ignored); the
+figure is the median duration of the engine's pure decode steps (every sequence one token). All
+setups run in one process, one engine each on the same prompts, sharing the model; once all are
+prefilled their decode steps take turns one step at a time, so that drift on this noisy machine
+hits every setup alike. With `--baseline REV` the same setups also run on the code of git revision
+REV (a temporary worktree, in its own process, before this tree's).
+
+    python benchmarks/decode_step/run.py                   # 16 x 2000 tokens: off, 0.6 (thresholds on/off), 0.75, 0.875
+    python benchmarks/decode_step/run.py --baseline HEAD~3  # and the same on an older revision
+    python benchmarks/decode_step/run.py --profile-seqs 32  # also: the Python share of a decode step
+    python benchmarks/decode_step/run.py --setups --profile-seqs 32 \
+        --out benchmarks/decode_step/results/decode_step_profile
+    python benchmarks/decode_step/run.py --setups "compression off" "int8, rate 0.875" "int8, rate 0.875, by token" \
+        --out benchmarks/decode_step/results/decode_step_spans        # words kept whole (the default) against tokens
+    python benchmarks/decode_step/run.py --device cuda --dtype bfloat16 --out benchmarks/gpu_check/results/decode_step
+Results: benchmarks/decode_step/results/decode_step.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.placement import add_placement_options  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    Provenance,
+    command_line,
+    commit_of,
+    save_report,
+)
+
+if TYPE_CHECKING:  # not imported here: `measure` imports the engine from the code it measures
+    import torch
+
+    from confkv.engine.llm_engine import LLMEngine
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = Path(__file__).resolve().parent / "results"
+RATE_ONLY = {"policy_options": {"dynamic": {"thresholds_decide": False}}}
+SETUPS = {  # label -> request (dynamic's thresholds decide under the rate's ceiling unless turned off)
+    "compression off": {"policy": "none", "compression_rate": 0.0},
+    "int8, rate 0.6": {"policy": "dynamic", "compression_rate": 0.6},
+    "int8, rate 0.6, thresholds off": {"policy": "dynamic", "compression_rate": 0.6, **RATE_ONLY},
+    "int8, rate 0.75": {"policy": "dynamic", "compression_rate": 0.75},
+    "int8, rate 0.875": {"policy": "dynamic", "compression_rate": 0.875},
+    "kivi4, rate 0.875": {"policy": "dynamic", "compression_rate": 0.875, "kv_cache_dtype": "kivi4"},
+    # Each entry on its own (`retention_unit` token), against words kept whole (the default), whose spans
+    # are found and pooled at every compression.
+    "int8, rate 0.6, by token": {"policy": "dynamic", "compression_rate": 0.6, "retention_unit": "token"},
+    "int8, rate 0.875, by token": {"policy": "dynamic", "compression_rate": 0.875, "retention_unit": "token"},
+}
+DEFAULT_SETUPS = [setup for setup in SETUPS if "by token" not in setup]
+MATMULS = {"aten::mm", "aten::addmm", "aten::bmm"}
+
+
+@dataclass
+class DecodeSteps:
+    """One setup's pure decode steps (every sequence one token): their durations and the KV held."""
+
+    durations: list[float] = field(default_factory=list)
+    compression: list[float] = field(default_factory=list)  # seconds of each spent in the compressor
+    kv_bytes: list[int] = field(default_factory=list)
+
+    def record(self, engine: LLMEngine, duration: float) -> None:
+        """The engine's last step, `duration` seconds long, and the KV it holds after it."""
+        self.durations.append(duration)
+        self.compression.append(engine.last_step.compression_s)
+        self.kv_bytes.append(engine.compression.store.used_bytes)
+
+    def figures(self) -> dict:
+        return {
+            "median_step_ms": 1000 * statistics.median(self.durations),
+            "mean_step_ms": 1000 * statistics.mean(self.durations),
+            "median_compression_ms": 1000 * statistics.median(self.compression),
+            "mean_compression_ms": 1000 * statistics.mean(self.compression),
+            "median_kv_mib": statistics.median(self.kv_bytes) / 2**20,
+            "decode_steps": len(self.durations),
+        }
+
+
+def measure(code_root: Path, setups: list[str], args: argparse.Namespace) -> dict:
+    """Run the setups on the code at `code_root` (imported from there), their decode steps taking
+    turns one step at a time, so that drift on this machine hits every setup alike; return their figures."""
+    sys.path.insert(0, str(code_root))
+    sys.path.insert(1, str(ROOT))  # the benchmark helpers, whatever the revision
+    import torch
+
+    # Only now, so that the engine, compression and the model loader they use come from `code_root`.
+    from benchmarks.engine import advance, decoding_engine, is_pure_decode, load_with_predictor
+
+    torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), args.dtype and getattr(torch, args.dtype)
+    seqs = args.seqs
+    model, tokenizer, future_value = load_with_predictor(args.model_path, device=device, dtype=dtype)
+    tokens = args.steps + args.compressor_profile_steps  # the profiled steps are not timed
+    engines = {  # one engine each, sharing the model
+        setup: decoding_engine(model, tokenizer, future_value, SETUPS[setup], seqs, args.prompt_tokens, tokens)
+        for setup in setups
+    }
+    decoded = {setup: DecodeSteps() for setup in setups}
+    shares: dict[str, dict] = {}
+    bar = tqdm(total=len(setups) * seqs * tokens, desc=code_root.name, leave=False)
+    with torch.inference_mode(), bar:
+        for engine in engines.values():  # prefill each, up to its first pure decode step
+            while engine.last_step is None or engine.last_step.num_tokens != seqs:
+                advance(engine, bar, device)
+        while any(engine.has_unfinished() for engine in engines.values()):
+            for setup, engine in engines.items():
+                halfway = len(decoded[setup].durations) == args.steps // 2
+                if args.profile and halfway:
+                    return {"python_share": python_share(engine, device)}
+                if args.compressor_profile_steps and halfway and setup not in shares:
+                    shares[setup] = compressor_share(engine, device, args.compressor_profile_steps)
+                    bar.update(seqs * args.compressor_profile_steps)
+                if engine.has_unfinished():
+                    duration = advance(engine, bar, device)
+                    if is_pure_decode(engine.last_step, seqs):
+                        decoded[setup].record(engine, duration)
+    return {
+        setup: {**run.figures(), **({"compressor": shares[setup]} if setup in shares else {})}
+        for setup, run in decoded.items()
+    }
+
+
+def profiled(engine: LLMEngine, steps: int, device: torch.device) -> tuple[list, float]:
+    """Run `steps` engine steps under torch's profiler (host activity: it needs no CUPTI): the
+    events, and the steps' wall time in microseconds (each step synchronised on CUDA)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            with record_function("engine_step"):
+                engine.step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+    events = prof.key_averages()
+    return events, sum(e.cpu_time_total for e in events if e.key == "engine_step")
+
+
+def python_share(engine: LLMEngine, device: torch.device, steps: int = 4) -> dict:
+    """Profile a few decode steps: the share of their wall time spent outside torch operators and
+    the decode kernel, i.e. in Python, dispatch and bookkeeping."""
+    events, wall = profiled(engine, steps, device)
+    # Operators' own time; the decode kernel is a named range (confkv.kv.paged_attention.KERNEL_EVENT)
+    # whose own time is the kernel's.
+    native = sum(e.self_cpu_time_total for e in events if e.key != "engine_step")
+    kernel = sum(e.self_cpu_time_total for e in events if e.key == "conf_kv::decode_attention")
+    # The model's projections and MLPs: the same work whatever the cache holds.
+    matmul = sum(e.self_cpu_time_total for e in events if e.key in MATMULS)
+    return {
+        "step_ms": wall / 1000 / steps,
+        "python_ms": (wall - native) / 1000 / steps,
+        "kernel_ms": kernel / 1000 / steps,
+        "matmul_ms": matmul / 1000 / steps,
+        "share": 1 - native / wall,
+    }
+
+
+def compressor_share(engine: LLMEngine, device: torch.device, steps: int) -> dict:
+    """Profile `steps` decode steps (a whole number of compression intervals, so that compressing
+    steps count as often as they come): the share of their wall time the compressor takes, the
+    engine's `conf_kv::compress` range (on CUDA its wall time holds the device work it waits for)."""
+    from confkv.engine.llm_engine import COMPRESS_EVENT
+
+    events, wall = profiled(engine, steps, device)
+    compress = sum(e.cpu_time_total for e in events if e.key == COMPRESS_EVENT)
+    return {
+        "steps": steps,
+        "step_ms": wall / 1000 / steps,
+        "compressor_ms": compress / 1000 / steps,
+        "share": compress / wall,
+    }
+
+
+def run_tree(code_root: Path, setups: list[str], args: argparse.Namespace, profile: bool = False) -> dict:
+    """The setups on one code tree, in a fresh process."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--measure",
+            *setups,
+            "--code-root",
+            str(code_root),
+            "--seqs",
+            str(args.profile_seqs if profile else args.seqs),
+            "--prompt-tokens",
+            str(args.profile_prompt_tokens if profile else args.prompt_tokens),
+            "--steps",
+            str(args.steps),
+            "--threads",
+            str(args.threads),
+            "--device",
+            args.device,
+            *(["--dtype", args.dtype] if args.dtype else []),
+            *(["--model-path", str(args.model_path)] if args.model_path else []),
+            *(["--profile"] if profile else []),
+            "--compressor-profile-steps",
+            str(0 if profile else args.compressor_profile_steps),
+        ],
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument("--steps", type=int, default=48, help="tokens each sequence decodes (3 compressions)")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads for torch")
+    add_placement_options(parser)
+    parser.add_argument("--baseline", help="a git revision to measure side by side (before/after)")
+    parser.add_argument(
+        "--setups", nargs="*", default=DEFAULT_SETUPS, choices=list(SETUPS), help="none: only the profile"
+    )
+    parser.add_argument("--profile-seqs", type=int, default=0, help="also profile decode steps at this batch")
+    parser.add_argument("--profile-prompt-tokens", type=int, default=512, help="prompt length of the profiled runs")
+    parser.add_argument(
+        "--compressor-profile-steps",
+        type=int,
+        default=0,
+        help="also profile this many decode steps of each setup halfway (not timed): the compressor's share",
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS / "decode_step")
+    parser.add_argument("--measure", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--code-root", type=Path, default=ROOT, help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(args.code_root, args.measure, args)))
+        return
+    # Stopped, stop the measuring child too: subprocess.run kills its child on any exception, and
+    # SIGTERM otherwise ends this process alone and leaves the child spoiling later runs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    provenance = Provenance.capture()  # the code measured, before anything can change it
+    commit = provenance.commit
+    trees = {"this tree": ROOT}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.baseline:
+            baseline = Path(tmp) / f"baseline-{commit_of(args.baseline)}"
+            subprocess.run(["git", "worktree", "add", "--detach", str(baseline), args.baseline], cwd=ROOT, check=True)
+            trees = {f"{args.baseline} ({commit_of(args.baseline)})": baseline, "this tree": ROOT}
+        try:
+            results = {}
+            if args.setups:
+                results = {tree: run_tree(root, args.setups, args) for tree, root in tqdm(trees.items(), unit="tree")}
+            profiles = {}
+            if args.profile_seqs:
+                for setup in tqdm(SETUPS, desc="profiles"):
+                    profiles[setup] = run_tree(ROOT, [setup], args, profile=True)["python_share"]
+        finally:
+            if args.baseline:
+                subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=ROOT, check=True)
+    data = {"commit": commit, "results": results, "profiles": profiles}
+    save_report(args.out, "Decode step at the same batch", table(data, args), data, args, provenance)
+
+
+def where(args: argparse.Namespace) -> str:
+    """Where the setups ran, as the table says it: CPU threads, or the device and dtype (and a model
+    other than the embedded one)."""
+    place = f"{args.threads} CPU threads" if args.device == "cpu" else f"on {args.device}"
+    place += f", {args.dtype}" if args.dtype else ""
+    return place + (f", model {args.model_path.name}" if args.model_path else "")
+
+
+def table(data: dict, args: argparse.Namespace) -> str:
+    command = f"commit {data['commit']}, `{command_line([__file__, *sys.argv[1:]])}`"
+    lines = []
+    if data["results"]:
+        lines += [
+            f"{args.seqs} sequences of {args.prompt_tokens} prompt tokens decoding together, {where(args)}, median "
+            f"of {args.steps}-token runs' pure decode steps, the setups' steps taking turns in one process; {command}.",
+            "",
+            "| code | setup | median decode step | vs compression off | compressor (median / mean) | "
+            "KV held (median) |",
+            "| --- | --- | ---: | ---: | ---: | ---: |",
+        ]
+    for tree, rows in data["results"].items():
+        off = rows.get("compression off", {})
+        for setup, row in rows.items():
+            step, engine = row["median_step_ms"], row["median_compression_ms"]
+            ratio = f"{step / off['median_step_ms']:.2f}x" if off else "-"
+            mean = f" / {row['mean_compression_ms']:.1f}" if "mean_compression_ms" in row else ""  # older revisions
+            kv = f"{row['median_kv_mib']:.0f} MiB" if "median_kv_mib" in row else "-"
+            lines.append(f"| {tree} | {setup} | {step:.0f} ms | {ratio} | {engine:.1f}{mean} ms | {kv} |")
+    means = {
+        (tree, setup): row
+        for tree, rows in data["results"].items()
+        for setup, row in rows.items()
+        if "compressor" in row
+    }
+    if means:
+        lines += [
+            "",
+            "Every decode step counted, and the compressor's share of the step from torch's profiler (its "
+            "`conf_kv::compress` range over whole compression intervals of steps, profiled halfway and not "
+            "timed above):",
+            "",
+            "| code | setup | mean decode step | vs compression off | profiled step | compressor | share |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for (tree, setup), row in means.items():
+            off = data["results"][tree].get("compression off")
+            ratio = f"{row['mean_step_ms'] / off['mean_step_ms']:.2f}x" if off else "-"
+            p = row["compressor"]
+            lines.append(
+                f"| {tree} | {setup} | {row['mean_step_ms']:.1f} ms | {ratio} | {p['step_ms']:.1f} ms | "
+                f"{p['compressor_ms']:.1f} ms | {100 * p['share']:.1f}% |"
+            )
+    if data["profiles"]:
+        lines += [
+            "",
+            f"Python share of a decode step at {args.profile_seqs} sequences of {args.profile_prompt_tokens} prompt "
+            "tokens (torch profiler, 4 steps; time outside torch operators and the decode kernel); "
+            f"{command}:",
+            "",
+        ]
+        lines += [
+            "| setup | step | decode-attention kernel | projections and MLPs (matmuls) | outside operators and "
+            "kernel | share |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for setup, p in data["profiles"].items():
+            lines.append(
+                f"| {setup} | {p['step_ms']:.0f} ms | {p['kernel_ms']:.1f} ms | {p['matmul_ms']:.1f} ms "
+                f"| {p['python_ms']:.1f} ms | {100 * p['share']:.1f}% |"
+            )
+    return "\n".join(lines).strip()
+
+
+if __name__ == "__main__":
+    main()
