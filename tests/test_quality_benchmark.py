@@ -234,6 +234,10 @@ def test_a_run_file_plans_uncompressed_first_then_each_rate_and_refuses_what_it_
         RunFile.model_validate({"setups": [{"label": "x", "poolings": ["max:3"]}]})
     with pytest.raises(ValidationError, match="needles"):
         RunFile.model_validate({"tasks": {"needles": -1}})
+    with pytest.raises(ValidationError, match="rate: set by the run"):
+        RunFile.model_validate({"setups": [{"label": "x", "rate": 0.5}]})
+    with pytest.raises(ValidationError, match="thresholds"):
+        RunFile.model_validate({"setups": [{"label": "x", "thresholds": "high"}]})
 
 
 @pytest.mark.parametrize("path", sorted(RUNS.glob("*.yaml")), ids=lambda p: p.stem)

@@ -8,21 +8,25 @@ of a setup is a field of `Setup`; a file with an unknown key or a wrong value is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.dataclasses import dataclass
 
 RUNS = Path(__file__).resolve().parent / "runs"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class Setup:
+    """One measured setup; a run file's setup entry holds these fields (less `rate` and `source`)."""
+
     label: str
-    storage: str  # kv_cache_dtype
-    policy: str
-    rate: float
+    storage: str = "int8"  # kv_cache_dtype
+    policy: str = "dynamic"
+    rate: float = 0.0
     value_predictor: bool = True  # dynamic: rank by the predictor (when one is loaded)
     source: str = "ours"  # or "kvpress"
     doubt_weight: float | None = None  # dynamic: its own default, or this weight on the tokens' sampling doubt
@@ -36,8 +40,12 @@ class Setup:
     lookahead: int = 0  # the server's lookahead_tokens: greedy tokens observed before the first compression
     retention_unit: str | None = None  # what is kept or dropped together: the server's own, or token, chunk...
 
+    @property
+    def compresses(self) -> bool:
+        return self.policy != "none"
 
-UNCOMPRESSED = Setup("uncompressed", "auto", "none", 0.0)
+
+UNCOMPRESSED = Setup("uncompressed", "auto", "none")
 
 
 class _Strict(BaseModel):
@@ -55,28 +63,27 @@ class TaskSizes(_Strict):
 
 
 class SetupEntry(_Strict):
-    label: str
-    policy: str = "dynamic"
-    storage: str = "int8"
+    """A setup as a run file writes it: flat, at the file's rates or at `rates` of its own."""
+
+    setup: Setup
     rates: list[float] | None = Field(None, description="the file's rates unless given")
-    value_predictor: bool = True
-    doubt_weight: float | None = None
-    thresholds: tuple[float, float] | None = None
-    thresholds_decide: bool | None = None
-    layer_budget: str | None = None
-    kivi_bits: int | None = None
-    key_only_bits: int = 4
-    key_rotation: bool = True
-    pooling: tuple[str, int] | None = None
-    lookahead: int = 0
-    retention_unit: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "setup" in data:
+            return data
+        fixed = sorted({"rate", "source"} & data.keys())
+        if fixed:
+            raise ValueError(f"{', '.join(fixed)}: set by the run (a setup's own rates are `rates`)")
+        return {"setup": {k: v for k, v in data.items() if k != "rates"}, "rates": data.get("rates")}
 
     def at(self, rate: float) -> Setup:
-        return Setup(rate=rate, **self.model_dump(exclude={"rates"}))
+        return replace(self.setup, rate=rate)
 
     @property
     def compresses(self) -> bool:
-        return self.policy != "none"
+        return self.setup.compresses
 
 
 class Peers(_Strict):
