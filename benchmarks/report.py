@@ -3,7 +3,9 @@
 Each benchmark is a folder, `benchmarks/<name>/`: its script `run.py`, its page `README.md` and its
 `results/`; past code measured on purpose is kept in `benchmarks/experiments/`. A benchmark prints
 its table and writes OUT.md and OUT.json side by side; the JSON carries its provenance: the commit,
-the command, the date, a digest of the code it measures and one of the benchmark script itself. The
+the command, the date, a digest of the code it measures and one of the benchmark script itself, each
+byte for byte and as logic (Python as its syntax tree without docstrings, `logic_digest`), so that
+comments, docstrings and layout do not make a result stale. The
 figures in the README, the results book (`docs/results.md`) and the benchmarks' pages are
 generated from those files (`python -m benchmarks.report`, `make docs`) between markers
 `<!-- results NAME -->` and `<!-- /results -->` (`<!-- results NAME: Heading | Heading -->` shows
@@ -17,7 +19,9 @@ are computed too. A test holds the documents to what this module generates.
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -58,6 +62,8 @@ class Provenance:
     script: str = ""  # the benchmark script, relative to the repository ("": not recorded, older results)
     script_digest: str = ""
     command_as_run: str = ""
+    logic_digest: str = ""  # of the measured code as logic ("": compare bytes only, older results)
+    script_logic_digest: str = ""
 
     @classmethod
     def capture(cls, measures: tuple[str, ...] = SERVER_CODE) -> Provenance:
@@ -74,6 +80,8 @@ class Provenance:
             uncommitted=digest != code_digest(measures, rev="HEAD"),
             script=script_path,
             script_digest=code_digest((script_path,)) if script_path else "",
+            logic_digest=logic_digest(measures),
+            script_logic_digest=logic_digest((script_path,)) if script_path else "",
         )
 
     @classmethod
@@ -87,10 +95,18 @@ class Provenance:
         """The measured code, or the script that measured it, has changed since (never for a historical record)."""
         if self.historical:
             return False
-        return code_digest(self.measures) != self.code_digest or self._script_changed()
+        return self.code_changed() or self.script_changed()
 
-    def _script_changed(self) -> bool:
-        return bool(self.script) and code_digest((self.script,)) != self.script_digest
+    def code_changed(self) -> bool:
+        return _changed(self.measures, self.code_digest, self.logic_digest)
+
+    def script_changed(self) -> bool:
+        return bool(self.script) and _changed((self.script,), self.script_digest, self.script_logic_digest)
+
+
+def _changed(paths: tuple[str, ...], digest: str, logic: str) -> bool:
+    """The files under `paths` differ from those digested, in their logic where it was recorded."""
+    return code_digest(paths) != digest and (not logic or logic_digest(paths) != logic)
 
 
 def save_report(
@@ -136,23 +152,58 @@ def commit_of(rev: str = "HEAD") -> str:
 def code_digest(paths: tuple[str, ...], rev: str | None = None, root: Path | None = None) -> str:
     """A digest of the files git tracks under `paths` (of this repository unless `root`): in the working
     tree, or at git revision `rev`."""
+    digest = hashlib.sha256()
+    for path, blob in _tracked(paths, rev, root or ROOT):
+        digest.update(f"{path}\0{blob}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def logic_digest(paths: tuple[str, ...], rev: str | None = None, root: Path | None = None) -> str:
+    """`code_digest` of what the files do: a Python file counts as its syntax tree without docstrings,
+    so that its comments, docstrings and layout change nothing; any other file counts byte for byte."""
     root = root or ROOT
+    digest = hashlib.sha256()
+    for path, blob in _tracked(paths, rev, root):
+        digest.update(f"{path}\0{_logic(path, blob, root)}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def _tracked(paths: tuple[str, ...], rev: str | None, root: Path) -> list[tuple[str, str]]:
+    """(path, git blob hash) of the files git tracks under `paths`, sorted by path: in the working tree
+    (a deleted file's blob is ""), or at revision `rev`."""
     snapshot = source_snapshot(root)
     if snapshot:  # a copy without git: HEAD is what the snapshot recorded
         committed = {path: blob for path, blob in snapshot["files"].items() if _under(path, paths)}
         files = sorted(committed)
-        blobs = [committed[path] for path in files] if rev else [_blob(root / path) for path in files]
-    elif rev is None:
+        return [(path, committed[path] if rev else _blob(root / path)) for path in files]
+    if rev is None:
         files = sorted(_git("ls-files", "-z", "--", *paths, cwd=root).split("\0")[:-1])
-        blobs = [_blob(root / path) for path in files]
-    else:
-        listing = _git("ls-tree", "-r", rev, "--", *paths, cwd=root)
-        entries = sorted(line.split("\t", 1)[::-1] for line in listing.splitlines())
-        files, blobs = [path for path, _ in entries], [meta.split()[2] for _, meta in entries]
-    digest = hashlib.sha256()
-    for path, blob in zip(files, blobs, strict=True):
-        digest.update(f"{path}\0{blob}\n".encode())
-    return digest.hexdigest()[:16]
+        return [(path, _blob(root / path)) for path in files]
+    listing = _git("ls-tree", "-r", rev, "--", *paths, cwd=root)
+    return sorted((path, meta.split()[2]) for meta, path in (line.split("\t", 1) for line in listing.splitlines()))
+
+
+@functools.cache
+def _logic(path: str, blob: str, root: Path) -> str:
+    """A file's part of `logic_digest`: its blob, or for Python that parses, a hash of its syntax tree
+    without docstrings (read from the working tree where it holds that blob, else from git)."""
+    if not path.endswith(".py") or not blob:
+        return blob
+    file = root / path
+    data = file.read_bytes() if _blob(file) == blob else _git_bytes("cat-file", "blob", blob, cwd=root)
+    try:
+        tree = ast.parse(data)
+    except SyntaxError:
+        return blob
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and _docstring(node):
+            node.body = node.body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
+
+
+def _docstring(node: ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    first = node.body[0] if node.body else None
+    return isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
 
 
 def source_snapshot(root: Path = ROOT) -> dict | None:
@@ -278,8 +329,7 @@ def _measured(prov: Provenance, changed: bool = False) -> list[str]:
     paths = [*prov.measures, *([prov.script] if prov.script else [])]
     if not changed:
         return paths
-    code_changed = code_digest(prov.measures) != prov.code_digest
-    return [*(prov.measures if code_changed else ()), *([prov.script] if prov._script_changed() else [])]
+    return [*(prov.measures if prov.code_changed() else ()), *([prov.script] if prov.script_changed() else [])]
 
 
 def command_line(argv: list[str]) -> str:
@@ -296,6 +346,10 @@ def command_line(argv: list[str]) -> str:
 
 def _git(*args: str, input: str | None = None, cwd: Path = ROOT) -> str:
     return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True, input=input).stdout
+
+
+def _git_bytes(*args: str, cwd: Path = ROOT) -> bytes:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True).stdout
 
 
 def _text(value: object) -> str:

@@ -14,6 +14,7 @@ from benchmarks.report import (
     README,
     Provenance,
     code_digest,
+    logic_digest,
     readme_block,
     render_document,
     result_file,
@@ -85,6 +86,47 @@ def test_the_code_digest_changes_with_the_measured_files_only(tmp_path):
     assert code_digest(("app",), rev="HEAD", root=tmp_path) == before
 
 
+def test_the_logic_digest_ignores_comments_docstrings_and_layout_and_nothing_else(tmp_path):
+    engine = tmp_path / "app" / "engine.py"
+    engine.parent.mkdir()
+    engine.write_text('"""The engine."""\n\ndef step(x):\n    return x + 1\n')
+    (tmp_path / "app" / "rates.yaml").write_text("rate: 1\n")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "first")
+    before = logic_digest(("app",), root=tmp_path)
+    assert logic_digest(("app",), rev="HEAD", root=tmp_path) == before
+    engine.write_text('"""The engine, said again."""\n\n\ndef step(x):  # why\n    """A step."""\n    return (x + 1)\n')
+    assert logic_digest(("app",), root=tmp_path) == before
+    assert code_digest(("app",), root=tmp_path) != code_digest(("app",), rev="HEAD", root=tmp_path)
+    assert logic_digest(("app",), rev="HEAD", root=tmp_path) == before  # read from git: the file differs now
+    engine.write_text('"""The engine."""\n\ndef step(x):\n    return x + 2\n')
+    assert logic_digest(("app",), root=tmp_path) != before
+    engine.write_text('"""The engine."""\n\ndef step(x):\n    "a string that is not the first statement"\n')
+    assert logic_digest(("app",), root=tmp_path) != before
+    _git(tmp_path, "checkout", "--", "app/engine.py")
+    (tmp_path / "app" / "rates.yaml").write_text("rate: 1  # other files count byte for byte\n")
+    assert logic_digest(("app",), root=tmp_path) != before
+
+
+def test_a_result_with_a_logic_digest_stays_current_through_comments_only(tmp_path, monkeypatch):
+    engine = tmp_path / "app" / "engine.py"
+    engine.parent.mkdir()
+    engine.write_text("def step(x):\n    return x + 1\n")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "first")
+    monkeypatch.setattr("benchmarks.report.ROOT", tmp_path)
+    monkeypatch.setattr("benchmarks.report.commit_of", lambda rev="HEAD": "0000000")
+    prov = Provenance.capture(("app",))
+    older = replace(prov, logic_digest="")  # made before logic digests were recorded: bytes alone
+    assert prov.logic_digest and not prov.is_stale() and not older.is_stale()
+    engine.write_text("def step(x):\n    # the next token\n    return x + 1\n")
+    assert not prov.is_stale() and older.is_stale()
+    engine.write_text("def step(x):\n    return x - 1\n")
+    assert prov.is_stale() and prov.code_changed()
+
+
 def test_a_block_says_stale_once_the_measured_code_changed_and_never_for_a_historical_record(tmp_path):
     now = Provenance.capture(("app",))
     (tmp_path / "run.md").write_text("# Title\n\n| a |\n| --- |\n| 1 |\n")
@@ -96,8 +138,9 @@ def test_a_block_says_stale_once_the_measured_code_changed_and_never_for_a_histo
     current = block(now)
     assert "Stale" not in current and current.endswith("| 1 |\n") and "# Title" not in current
     assert f"measured at {now.commit}" in current
-    assert "Stale" in block(replace(now, code_digest="0" * 16))
-    historical = block(replace(now, code_digest="0" * 16, historical="the code before X."))
+    changed = replace(now, code_digest="0" * 16, logic_digest="0" * 16)
+    assert "Stale" in block(changed)
+    historical = block(replace(changed, historical="the code before X."))
     assert "Stale" not in historical and "Historical: the code before X." in historical
 
 
