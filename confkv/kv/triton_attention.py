@@ -8,7 +8,8 @@ pair of a row gets its own specialisation (with the key-only pool's format): row
 that pair. `int4c` keys are read with their block's per-channel scale and minimum. The observed
 probabilities are a second pass over the observed rows once their lse is known, one program per tile
 of entries summing over all heads, launched by key pool (it reads no values), so no scores are kept
-in between.
+in between. The file is over 300 lines because it is one unit: the two kernels, the loaders and dequantisers
+both inline, and the host code that groups rows by storage pair and launches them.
 """
 
 from __future__ import annotations
