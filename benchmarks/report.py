@@ -311,8 +311,7 @@ def _link(path: Path, document_dir: Path) -> str:
 def stale_index(folders: list[Path], document_dir: Path) -> str:
     """Every result whose measured code or script changed since it ran, and every historical one."""
     stale, historical = [], []
-    for path in sorted((p for folder in folders for p in folder.glob("*.json")), key=lambda p: p.name):
-        prov = Provenance.of(json.loads(path.read_text()))
+    for path, prov in _results(folders):
         entry = f"[`{path.name}`]({_link(path, document_dir)}), {prov.commit}"
         if prov.historical:
             historical.append(f"- {entry}: {prov.historical}")
@@ -322,6 +321,17 @@ def stale_index(folders: list[Path], document_dir: Path) -> str:
     lines = ["**Stale** (re-run before reading their figures as today's):", "", *(stale or ["- none"])]
     lines += ["", "**Historical** (past code measured on purpose, never re-run):", "", *(historical or ["- none"])]
     return "\n".join(lines) + "\n"
+
+
+def stale_commands(folders: list[Path]) -> list[str]:
+    """The commands that re-make every stale result, each once, in the stale index's order."""
+    commands = [prov.command for _, prov in _results(folders) if not prov.historical and prov.is_stale()]
+    return list(dict.fromkeys(commands))
+
+
+def _results(folders: list[Path]) -> list[tuple[Path, Provenance]]:
+    paths = sorted((p for folder in folders for p in folder.glob("*.json")), key=lambda p: p.name)
+    return [(path, Provenance.of(json.loads(path.read_text()))) for path in paths]
 
 
 def _measured(prov: Provenance, changed: bool = False) -> list[str]:
@@ -363,7 +373,13 @@ def _text(value: object) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Regenerate the documents' figures from the benchmarks' results.")
     parser.add_argument("--check", action="store_true", help="exit 1 if a document differs, write nothing")
+    parser.add_argument(
+        "--stale-commands", action="store_true", help="print the commands that re-make the stale results, write nothing"
+    )
     args = parser.parse_args()
+    if args.stale_commands:
+        print("\n".join(stale_commands(result_folders())))
+        return
     for document in DOCUMENTS:
         text = document.read_text()
         rendered = render_document(text, document)

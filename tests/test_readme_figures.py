@@ -20,6 +20,7 @@ from benchmarks.report import (
     result_file,
     result_folders,
     results_list,
+    stale_commands,
     stale_index,
 )
 from scripts import settings_reference
@@ -179,6 +180,8 @@ def test_a_result_goes_stale_when_its_script_changes_and_the_index_lists_it(tmp_
     index = stale_index([results], tmp_path / "docs")
     assert "[`run.json`](../results/run.json)" in index and "benchmarks/bench.py" in index
     assert "Stale" in readme_block("run", [results]) and ", stale:" in results_list(results, tmp_path)
+    (results / "run_b.json").write_text((results / "run.json").read_text())  # made by the same command
+    assert stale_commands([results]) == [prov.command]
 
 
 def _anchors(path):
