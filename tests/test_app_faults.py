@@ -45,9 +45,14 @@ def test_an_engine_loop_crash_is_reported_by_health_ready_requests_and_metrics(t
         assert health.status_code == 503 and "injected loop fault" in health.json()["error"]
         assert client.get("/ready").status_code == 503
         assert client.post("/generate", json=body).status_code == 503  # and it stays down, clearly
+        # A stream is refused before its first byte too, not opened with a 200 and cut.
+        stream = client.post("/generate", json={**body, "stream": True})
+        assert stream.status_code == 503 and stream.headers["retry-after"] == "5"
+        completion = {"model": tiny_model_dir.name, "prompt": "Hello", "max_tokens": 3, "stream": True}
+        assert client.post("/v1/completions", json=completion).status_code == 503
         # Each counted once, as what it was: the lost one an engine error, the refused ones 503s.
         assert metric(client, 'requests_total{status="error"}') == 1
-        assert metric(client, 'requests_total{status="503"}') == 2
+        assert metric(client, 'requests_total{status="503"}') == 4
         assert 'requests_total{status="abort"}' not in client.get("/metrics").text
         stopped = metric(client, "engine_loop_heartbeat_timestamp_seconds")
         time.sleep(0.7)
@@ -153,3 +158,8 @@ def test_unknown_openai_fields_are_refused_when_the_server_says_so(tiny_model_di
         assert refused.status_code == 400
         assert refused.json()["error"]["param"] == "guided_json" and "reject" in refused.json()["error"]["message"]
         assert metric(client, 'requests_total{status="400"}') == 1
+        # Every refusal is counted by its status, whichever check made it.
+        assert client.post("/v1/completions", json={**body, "max_tokens": 2, "min_tokens": 3}).status_code == 400
+        assert metric(client, 'requests_total{status="400"}') == 2
+        assert client.post("/v1/completions", json={**body, "model": "other"}).status_code == 404
+        assert metric(client, 'requests_total{status="404"}') == 1

@@ -115,6 +115,8 @@ def test_compose_services_paths_ports_and_health_checks_line_up():
     assert server["build"]["context"] == "."
     assert "8080:8080" in server["ports"]
     assert any("/health" in part for part in server["healthcheck"]["test"])
+    grace = float(server["stop_grace_period"].rstrip("s"))
+    assert grace > Settings.model_fields["shutdown_grace_period"].default  # it drains before it is killed
     fields = {f"CONFKV_{name.upper()}" for name in Settings.model_fields}
     assert set(server["environment"]) <= fields
     assert stack["prometheus"]["depends_on"]["server"]["condition"] == "service_healthy"

@@ -142,6 +142,7 @@ def test_logprobs_chat_and_completion(client):
         ({"extra_body": {"compression": {"policy": "magic"}}}, "compression.policy"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
         ({"top_logprobs": 2}, "body"),
+        ({"max_tokens": 2, "extra_body": {"min_tokens": 5}}, "min_tokens"),  # valid alone, not together
     ],
 )
 def test_bad_chat_requests_get_openai_errors_naming_the_field(client, kwargs, param):

@@ -125,7 +125,8 @@ def test_seeds_reproduce_under_concurrency(server):
         ({"prompt": "a", "compression": {"recent_window": 8}}, "compression.recent_window"),
         ({"prompt": "a", "compression": {"prediction_window": 64}}, "compression.prediction_window"),
         ({"prompt": "a", "compression": {"policy_options": {"snapkv": {"kernel": 3}}}}, "compression.policy_options"),
-        ({"prompt": "a", "stop": [""]}, "body"),
+        ({"prompt": "a", "stop": [""]}, "stop.0"),
+        ({"prompt": "a", "max_tokens": 2, "min_tokens": 5}, "min_tokens"),
         ({"prompt": "a", "unknown_field": True}, "unknown_field"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
         ({"prompt_token_ids": [1, -2]}, "prompt_token_ids.1"),
@@ -214,7 +215,8 @@ def test_metrics_count_requests_and_tokens(server):
     except KeyError:
         refused = 0.0
     assert post(server, {"prompt": ""}).status_code == 422
-    assert server.metric("requests_total", '{status="422"}') == refused + 1
+    assert post(server, {"prompt_token_ids": [10**7]}).status_code == 422  # refused once its tokens are read
+    assert server.metric("requests_total", '{status="422"}') == refused + 2
 
 
 LONG_PROMPT = " ".join(f"Item {i} is stored in box {i * 7 % 13}." for i in range(120))

@@ -81,6 +81,12 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
+    def check_running(self) -> None:
+        """Raise EngineDeadError unless the loop is running (before a request is accepted, so that a
+        stream is refused before its first byte, not cut after it)."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
+
     def snapshot(self, timeout: float = 0.2) -> EngineSnapshot:
         """The engine's accounting, taken by the loop between two steps. When the loop is inside a
         step longer than `timeout` (a long prefill), the answer is the last snapshot it took, for an
@@ -102,8 +108,7 @@ class AsyncEngine:
         request_id: str | None = None,
         compression: CompressionParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        if not self.is_running:
-            raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
+        self.check_running()
         request_id = request_id or uuid.uuid4().hex
         stream: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from fastapi import Request
+from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 from transformers import PreTrainedTokenizerBase
 
@@ -131,6 +132,7 @@ class OpenAIService:
         self, req: _SamplingRequest, max_tokens: int | None, logprobs: int | None, prefix: str, **prompt
     ) -> PreparedRequest:
         if req.model != self.model_name:
+            self.service.count_refusal(404)
             raise APIError(
                 404,
                 "model_not_found",
@@ -138,17 +140,27 @@ class OpenAIService:
             )
         ignored = req.ignored_fields()
         if ignored and self.service.settings.openai_unknown_fields == "reject":
-            self.service.metrics.requests.labels("400").inc()  # as every invalid request is counted
-            raise APIError(
-                400,
-                "invalid_request",
-                f"{ignored[0]}: unknown field; leave it out (this server runs with --openai-unknown-fields reject)",
-                param=ignored[0],
-            )
+            message = "unknown field; leave it out (this server runs with --openai-unknown-fields reject)"
+            raise self._invalid(ignored[0], message)
         if ignored:
             log.warning("request fields ignored (not known to this server): %s", ", ".join(ignored))
             self.service.metrics.count_ignored_fields(ignored)
-        generate = GenerateRequest(
+        try:
+            generate = self._generate_request(req, max_tokens, prompt)
+        except ValidationError as exc:  # what only the combination of fields breaks (min_tokens > max_tokens)
+            error = exc.errors()[0]
+            raise self._invalid(".".join(str(p) for p in error["loc"]) or "body", error["msg"]) from exc
+        prepared = await self.service.prepare(generate, logprobs=logprobs, id_prefix=prefix)
+        prepared.ignored_fields = tuple(ignored)
+        return prepared
+
+    def _invalid(self, field: str, message: str) -> APIError:
+        self.service.count_refusal(400)
+        return APIError(400, "invalid_request", f"{field}: {message}", param=field)
+
+    @staticmethod
+    def _generate_request(req: _SamplingRequest, max_tokens: int | None, prompt: dict) -> GenerateRequest:
+        return GenerateRequest(
             **prompt,
             max_tokens=max_tokens,
             temperature=req.temperature,
@@ -167,9 +179,6 @@ class OpenAIService:
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
         )
-        prepared = await self.service.prepare(generate, logprobs=logprobs, id_prefix=prefix)
-        prepared.ignored_fields = tuple(ignored)
-        return prepared
 
     def _build(self, cls: type[_Built], prepared: PreparedRequest, choices: list, **extra) -> _Built:
         return cls(id=prepared.request_id, created=int(time.time()), model=self.model_name, choices=choices, **extra)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from confkv.compress.config import CompressionOptions
 
@@ -39,7 +39,7 @@ class GenerateRequest(_Strict):
     include_stop_str_in_output: bool = Field(False, description="keep the stop string that ended the text")
     skip_special_tokens: bool = Field(True, description="leave special tokens out of the text")
     seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: list[str] = Field(default_factory=list, max_length=16)
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=16)
     stream: bool = False
     ignore_eos: bool = Field(False, description="keep generating past EOS up to max_tokens (benchmarks)")
     timeout: float | None = Field(
@@ -53,14 +53,19 @@ class GenerateRequest(_Strict):
         "GET /inspect/requests/{id} (kept for the newest requests only)",
     )
 
+    @field_validator("min_tokens")
+    @classmethod
+    def _within_max_tokens(cls, value: int, info: ValidationInfo) -> int:
+        # A field's own check, so that the error names it (max_tokens is validated before it).
+        max_tokens = info.data.get("max_tokens")
+        if max_tokens is not None and value > max_tokens:
+            raise ValueError(f"must not exceed max_tokens ({max_tokens})")
+        return value
+
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
         if sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)) != 1:
             raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError("min_tokens must not exceed max_tokens")
         return self
 
 

@@ -85,24 +85,31 @@ class GenerateService:
         worker thread (the tokenizer releases the GIL), so that the event loop goes on streaming
         other requests' tokens meanwhile. The request holds its place in the queue while it waits."""
         arrival = time.monotonic()
-        if self.draining:
-            self._refuse(503)
-            message = "the server is shutting down; retry on another instance"
-            raise APIError(503, "shutting_down", message, {"Retry-After": "5"})
-        if len(self.admitted) >= self.settings.max_queue_size + self.settings.max_num_seqs:
-            self._refuse(503)
-            raise APIError(503, "overloaded", "the request queue is full; retry later", {"Retry-After": "1"})
+        self.engine.check_running()  # a dead loop is a 503 (counted by its handler), streams included
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        self.admitted[request_id] = 0
         try:
+            self._admit(request_id)
             ids, text = await asyncio.to_thread(self._tokenize, req)
             prepared = self._check(req, ids, logprobs, request_id, arrival)
             prepared.prompt_text = text
+        except APIError as error:
+            self.count_refusal(error.status)  # every refusal counted once, by its status
+            self.admitted.pop(request_id, None)
+            raise
         except BaseException:
             self.admitted.pop(request_id, None)
             raise
         self.admitted[request_id] = len(ids)
         return prepared
+
+    def _admit(self, request_id: str) -> None:
+        """Hold a place in the queue, or refuse while shutting down or with the queue full."""
+        if self.draining:
+            message = "the server is shutting down; retry on another instance"
+            raise APIError(503, "shutting_down", message, {"Retry-After": "5"})
+        if len(self.admitted) >= self.settings.max_queue_size + self.settings.max_num_seqs:
+            raise APIError(503, "overloaded", "the request queue is full; retry later", {"Retry-After": "1"})
+        self.admitted[request_id] = 0
 
     def _check(
         self, req: GenerateRequest, ids: list[int], logprobs: int | None, request_id: str, arrival: float
@@ -110,17 +117,14 @@ class GenerateService:
         """The checks that need the prompt's tokens; the request to run if it passes them."""
         vocab = len(self.tokenizer)
         if req.stop_token_ids and max(req.stop_token_ids) >= vocab:
-            self._refuse(422)
             message = f"stop_token_ids: {max(req.stop_token_ids)} is outside the vocabulary (0-{vocab - 1})"
             raise APIError(422, "invalid_request", message, param="stop_token_ids")
         pending_tokens = sum(self.admitted.values())
         if pending_tokens and pending_tokens + len(ids) > self.settings.max_queue_tokens:
-            self._refuse(503)
             message = f"{pending_tokens} prompt tokens are already queued or running; retry later"
             raise APIError(503, "overloaded", message, {"Retry-After": "1"})
         max_tokens = req.max_tokens or min(self.settings.default_max_tokens, max(1, self.max_model_len - len(ids)))
         if len(ids) + max_tokens > self.max_model_len:
-            self._refuse(413)
             raise APIError(
                 413,
                 "context_length_exceeded",
@@ -136,13 +140,11 @@ class GenerateService:
                 inspect=req.inspect,
             )
         except InvalidCompression as error:  # valid alone, not over the server's config
-            self._refuse(422)
             raise APIError(422, "invalid_request", str(error), param=error.fields[0]) from None
         # Without compression the whole request must fit the budget; with it, the prompt must.
         need = len(ids) if compression.active else len(ids) + max_tokens
         budget = self.max_cache_bytes
         if self.kv_bytes_for(need, compression.kv_cache_dtype) > budget:
-            self._refuse(413)
             self.metrics.oom_errors.inc()
             raise APIError(
                 413,
@@ -224,7 +226,7 @@ class GenerateService:
         """The request's outputs as the engine makes them; closing the iterator aborts the request."""
         first: float | None = None
         last: RequestOutput | None = None
-        refused = False  # by a stopped engine: the error handler answers and counts it
+        counted = False  # a refusal, already counted (here, or by the error handler that answers it)
         generated: list[RequestOutput] = []  # kept for the inspector only
         try:
             async for out in self.engine.generate(
@@ -239,14 +241,16 @@ class GenerateService:
                         self._keep_inspection(prepared, generated)
                 yield out
         except ValueError as exc:
+            self.count_refusal(400)
+            counted = True
             raise APIError(400, "invalid_request", str(exc)) from exc
         except EngineDeadError:
-            refused = True
+            counted = True
             raise
         finally:
             self.release(prepared)
             status = (last.finish_reason if last and last.finished else "abort") or "abort"
-            if not refused:
+            if not counted:
                 self.metrics.observe_request(
                     status,
                     len(prepared.prompt_token_ids),
@@ -306,7 +310,7 @@ class GenerateService:
             raise APIError(422, "invalid_request", "the prompt has no tokens")
         return ids, text
 
-    def _refuse(self, status: int) -> None:
+    def count_refusal(self, status: int) -> None:
         self.metrics.requests.labels(str(status)).inc()
 
 
