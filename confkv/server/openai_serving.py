@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 from transformers import PreTrainedTokenizerBase
@@ -140,23 +141,23 @@ class OpenAIService:
             )
         ignored = req.ignored_fields()
         if ignored and self.service.settings.openai_unknown_fields == "reject":
-            message = "unknown field; leave it out (this server runs with --openai-unknown-fields reject)"
-            raise self._invalid(ignored[0], message)
+            self.service.count_refusal(400)
+            raise APIError(
+                400,
+                "invalid_request",
+                f"{ignored[0]}: unknown field; leave it out (this server runs with --openai-unknown-fields reject)",
+                param=ignored[0],
+            )
         if ignored:
             log.warning("request fields ignored (not known to this server): %s", ", ".join(ignored))
             self.service.metrics.count_ignored_fields(ignored)
         try:
             generate = self._generate_request(req, max_tokens, prompt)
-        except ValidationError as exc:  # what only the combination of fields breaks (min_tokens > max_tokens)
-            error = exc.errors()[0]
-            raise self._invalid(".".join(str(p) for p in error["loc"]) or "body", error["msg"]) from exc
+        except ValidationError as exc:  # fields valid alone, not together (min_tokens > max_tokens): the 400 as any
+            raise RequestValidationError(exc.errors()) from exc
         prepared = await self.service.prepare(generate, logprobs=logprobs, id_prefix=prefix)
         prepared.ignored_fields = tuple(ignored)
         return prepared
-
-    def _invalid(self, field: str, message: str) -> APIError:
-        self.service.count_refusal(400)
-        return APIError(400, "invalid_request", f"{field}: {message}", param=field)
 
     @staticmethod
     def _generate_request(req: _SamplingRequest, max_tokens: int | None, prompt: dict) -> GenerateRequest:

@@ -92,11 +92,9 @@ class GenerateService:
             ids, text = await asyncio.to_thread(self._tokenize, req)
             prepared = self._check(req, ids, logprobs, request_id, arrival)
             prepared.prompt_text = text
-        except APIError as error:
-            self.count_refusal(error.status)  # every refusal counted once, by its status
-            self.admitted.pop(request_id, None)
-            raise
-        except BaseException:
+        except BaseException as error:
+            if isinstance(error, APIError):
+                self.count_refusal(error.status)  # every refusal counted once, by its status
             self.admitted.pop(request_id, None)
             raise
         self.admitted[request_id] = len(ids)
