@@ -51,10 +51,11 @@ def decoding_engine(
     prompt_tokens: int,
     max_tokens: int,
     stats: bool = False,
+    **engine: object,
 ) -> LLMEngine:
     """An engine holding `seqs` requests of `prompt_tokens` corpus tokens each, compressed as `request`
     asks, to decode `max_tokens` greedy tokens each together (EOS ignored); with `stats`, each
-    request's last output carries its compression_metrics."""
+    request's last output carries its compression_metrics. `engine`: more `EngineConfig` fields."""
     config = CompressionConfig()
     shape = KVShape.of(model.config)
     # Every sequence uncompressed at the model's dtype, with a partial block per table and layer.
@@ -63,7 +64,7 @@ def decoding_engine(
     engine = LLMEngine(
         model,
         tokenizer,
-        EngineConfig(max_cache_bytes=max(KV_BUDGET, need), max_num_seqs=seqs, max_num_batched_tokens=2048),
+        EngineConfig(max_cache_bytes=max(KV_BUDGET, need), max_num_seqs=seqs, max_num_batched_tokens=2048, **engine),
         config,
         future_value,
     )

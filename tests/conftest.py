@@ -61,7 +61,7 @@ TIERS = {
         "test_sampler", "test_scheduler", "test_schemas", "test_settings", "test_triton_kernels",
     ),
     "engine": (
-        "test_calibration", "test_compression", "test_decode_step_benchmark", "test_engine",
+        "test_async_compression", "test_calibration", "test_compression", "test_decode_step_benchmark", "test_engine",
         "test_engine_equivalence", "test_layer_budgets", "test_library", "test_lookahead", "test_policies",
         "test_predictor", "test_prefix_cache", "test_quality_benchmark", "test_random_weights", "test_spans",
         "test_thresholds",

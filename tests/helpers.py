@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -21,6 +22,7 @@ from confkv.engine.sequence import SamplingParams
 from confkv.kv.arena import Arena
 from confkv.kv.attention import Segment
 from confkv.kv.block_pool import BlockPool, Codec
+from confkv.kv.block_tables import ParkedKV
 from confkv.kv.kv_store import KVStore
 from confkv.kv.paged_attention import (
     FORMAT_CODES,
@@ -68,6 +70,41 @@ def tiny_model(family: str, vocab_size: int, eos_token_id: int, seed: int = 0) -
         **kwargs,
     )
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def check_references(store: KVStore, parked: list[ParkedKV] = ()) -> None:
+    """Every block's reference count is the number of tables (running or parked) that hold it, and
+    the account is the blocks in use and the parked caches' bookkeeping."""
+    expected = {name: Counter() for name in store.allocator.pools}
+    for slot, pools in store.tables.pools.items():
+        for kind, pool in enumerate(pools):
+            for layer in range(store.num_layers):
+                held = store.tables.held(kind, layer, slot)
+                expected[pool.codec.name].update(held.tolist())
+    for cache in parked:
+        names = (cache.codec.name, cache.codec.values.name, store.allocator.key_only_pool.codec.name)
+        for name, layers in zip(names, cache.tables, strict=True):
+            for blocks in layers:
+                expected[name].update(blocks.tolist())
+    used, lent = 0, []
+    for name, pool in store.allocator.pools.items():
+        assert pool.refs == dict(expected[name]), name
+        # Every block inside the pages a pool holds is free or in use, never both; none lies outside them.
+        inside = {b for page in pool.pages for b in store.allocator.arena.blocks_in(page, pool.block_bytes)}
+        assert set(pool.free_blocks).isdisjoint(pool.refs) and set(pool.free_blocks) | set(pool.refs) == inside
+        in_use = {
+            page
+            for page in pool.pages
+            if set(store.allocator.arena.blocks_in(page, pool.block_bytes)) & pool.refs.keys()
+        }
+        assert pool.empty_pages == len(pool.pages) - len(in_use)
+        used += len(pool.refs) * pool.block_bytes
+        lent += pool.pages
+    assert (
+        len(lent) == len(set(lent)) and len(lent) + store.allocator.arena.free_pages == store.allocator.arena.num_pages
+    )
+    assert store.used_bytes == used + sum(cache.bookkeeping_bytes for cache in parked)
+    assert store.allocator.allocated_bytes == store.allocator.arena.nbytes
 
 
 def fill_store(store: KVStore, seq_id: int, n: int, start: int = 0, keys=None) -> None:

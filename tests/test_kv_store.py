@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
 
 import pytest
 import torch
@@ -18,47 +17,13 @@ from confkv.kv.kv_layout import BLOCK_SIZE
 from confkv.kv.kv_store import KVBudgetExceeded, KVStore
 from confkv.kv.paged_attention import decode_attention, decode_attention_reference
 from confkv.kv.quant import random_rotation
+from tests.helpers import check_references
 from tests.helpers import fill_store as fill
 
 
 def make_store(max_bytes: int = 10**7, storage=None, history_steps: int = 0) -> KVStore:
     head_dim = 8 if storage == "kivi4" else 4  # int4c spreads 2 x head_dim parameters over a block's 16 rows
     return KVStore(3, 2, head_dim, max_bytes=max_bytes, storage=storage, history_steps=history_steps)
-
-
-def check_references(store: KVStore, parked: list[ParkedKV] = ()) -> None:
-    """Every block's reference count is the number of tables (running or parked) that hold it, and
-    the account is the blocks in use and the parked caches' bookkeeping."""
-    expected = {name: Counter() for name in store.allocator.pools}
-    for slot, pools in store.tables.pools.items():
-        for kind, pool in enumerate(pools):
-            for layer in range(store.num_layers):
-                held = store.tables.held(kind, layer, slot)
-                expected[pool.codec.name].update(held.tolist())
-    for cache in parked:
-        names = (cache.codec.name, cache.codec.values.name, store.allocator.key_only_pool.codec.name)
-        for name, layers in zip(names, cache.tables, strict=True):
-            for blocks in layers:
-                expected[name].update(blocks.tolist())
-    used, lent = 0, []
-    for name, pool in store.allocator.pools.items():
-        assert pool.refs == dict(expected[name]), name
-        # Every block inside the pages a pool holds is free or in use, never both; none lies outside them.
-        inside = {b for page in pool.pages for b in store.allocator.arena.blocks_in(page, pool.block_bytes)}
-        assert set(pool.free_blocks).isdisjoint(pool.refs) and set(pool.free_blocks) | set(pool.refs) == inside
-        in_use = {
-            page
-            for page in pool.pages
-            if set(store.allocator.arena.blocks_in(page, pool.block_bytes)) & pool.refs.keys()
-        }
-        assert pool.empty_pages == len(pool.pages) - len(in_use)
-        used += len(pool.refs) * pool.block_bytes
-        lent += pool.pages
-    assert (
-        len(lent) == len(set(lent)) and len(lent) + store.allocator.arena.free_pages == store.allocator.arena.num_pages
-    )
-    assert store.used_bytes == used + sum(cache.bookkeeping_bytes for cache in parked)
-    assert store.allocator.allocated_bytes == store.allocator.arena.nbytes
 
 
 def test_write_view_roundtrip():

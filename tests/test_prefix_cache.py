@@ -202,8 +202,8 @@ def test_a_compaction_beside_a_parked_prompt_takes_its_pages_from_the_parked_pro
     evict_one = engine.store.reclaim
     reclaimed = []
 
-    def recording_schedule():
-        out = schedule()
+    def recording_schedule(compressing=()):
+        out = schedule(compressing)
         at_forward.append(engine.store.used_bytes)
         return out
 

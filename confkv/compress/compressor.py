@@ -34,6 +34,7 @@ from confkv.compress.spans import pool_over_spans, span_ids
 from confkv.compress.state import (
     CompressionHooks,
     CompressionMetrics,
+    CompressionPlan,
     MarkedChunk,
     SequenceState,
     TrackedSequence,
@@ -199,14 +200,23 @@ class Compressor:
         return state.params.lookahead_tokens if seq.num_computed >= len(seq.token_ids) - 1 else 0
 
     def after_step(self, sequences: list[TrackedSequence], sampled_confidence: dict[int, float]) -> float:
-        """Compress every due sequence; return the seconds spent."""
+        """Compress every due sequence now; return the seconds spent."""
         started = time.perf_counter()
+        self.apply(self.plan(self.due(sequences, sampled_confidence)))
+        return time.perf_counter() - started
+
+    def due(self, sequences: list[TrackedSequence], sampled_confidence: dict[int, float]) -> list[TrackedSequence]:
+        """Note a step's sampling (`sampled_confidence`, by seq_id) and return the sequences whose
+        compression is due now (at the end of prefill, then every `compression_interval` decode
+        steps). The others note what they hold for `mean_compression_ratio`; the due ones do when
+        their compression is applied."""
         for hook in self.hooks.sampled:
             hook(sampled_confidence)
-        ready: list[tuple[TrackedSequence, SequenceState]] = []
+        ready, not_due = [], []
         for seq in sequences:
             state = self.states.get(seq.seq_id)
             if state is None or not state.params.active or seq.seq_id not in self.store:
+                not_due.append(seq)
                 continue
             if seq.seq_id in sampled_confidence:
                 state.confidences.append(sampled_confidence[seq.seq_id])
@@ -220,27 +230,47 @@ class Compressor:
                 state.steps_since_compression += 1
                 due = state.steps_since_compression >= state.params.compression_interval
             if due:
-                ready.append((seq, state))
-        if ready:
-            predicted = self._predict([(seq, state) for seq, state in ready if self._uses_predictor(state)])
-            shared = (time.perf_counter() - started) / len(ready)  # the batched prediction, shared out
-            for seq, state in ready:
-                began = time.perf_counter()
-                self._note_spans(seq, state)
-                self.compress(seq.seq_id, seq.num_computed, state, predicted.get(seq.seq_id))
                 state.steps_since_compression = 0
-                state.seconds += shared + time.perf_counter() - began
-        self._note_ratios(sequences)
-        return time.perf_counter() - started
+                ready.append(seq)
+            else:
+                not_due.append(seq)
+        for seq in not_due:
+            self._note_ratio(seq.seq_id, seq.num_computed)
+        return ready
 
-    def _note_ratios(self, sequences: list[TrackedSequence]) -> None:
-        """What each decoding sequence that asked for statistics holds now, for mean_compression_ratio."""
-        store = self.store
-        for seq in sequences:
-            state = self.states.get(seq.seq_id)
-            if state is not None and state.params.stats and state.prefilled and seq.seq_id in store:
-                state.ratio_sum += store.seq_bytes(seq.seq_id) / (seq.num_computed * store.model_token_bytes)
-                state.ratio_steps += 1
+    def plan(self, due: list[TrackedSequence]) -> list[CompressionPlan]:
+        """Decide the compression of these sequences (`due`'s), applied by `apply`. It reads their
+        cache and writes only their entries' forecasts and their own state, so it may run beside a
+        forward pass of other sequences; the store's shared accounts change only in `apply`."""
+        if not due:
+            return []
+        started = time.perf_counter()
+        states = [(seq, self.states[seq.seq_id]) for seq in due]
+        predicted = self._predict([(seq, state) for seq, state in states if self._uses_predictor(state)])
+        shared = (time.perf_counter() - started) / len(due)  # the batched prediction, shared out
+        plans = []
+        for seq, state in states:
+            began = time.perf_counter()
+            self._note_spans(seq, state)
+            plan = self._plan(seq.seq_id, seq.num_computed, state, predicted.get(seq.seq_id))
+            plan.seconds = shared + time.perf_counter() - began
+            plans.append(plan)
+        return plans
+
+    def apply(self, plans: list[CompressionPlan]) -> None:
+        """Compact the sequences as `plan` decided; each then notes what it holds."""
+        for plan in plans:
+            began = time.perf_counter()
+            self._apply(plan)
+            plan.state.seconds += plan.seconds + time.perf_counter() - began
+            self._note_ratio(plan.seq_id, plan.num_tokens)
+
+    def _note_ratio(self, seq_id: int, num_tokens: int) -> None:
+        """What a decoding sequence that asked for statistics holds now, for mean_compression_ratio."""
+        state, store = self.states.get(seq_id), self.store
+        if state is not None and state.params.stats and state.prefilled and seq_id in store:
+            state.ratio_sum += store.seq_bytes(seq_id) / (num_tokens * store.model_token_bytes)
+            state.ratio_steps += 1
 
     def squeeze(self, sequences: list[TrackedSequence]) -> bool:
         """Memory pressure: compress these sequences harder, a step at a time up to the ceiling.
@@ -320,13 +350,31 @@ class Compressor:
     def compress(
         self, seq_id: int, num_tokens: int, state: SequenceState, predicted: dict[int, Forecast] | None = None
     ) -> None:
-        """Compress one sequence: budget, score, plan, compact. `predicted` (by layer) is the predictor's
-        output, when already computed."""
-        self._plan_and_compact(seq_id, num_tokens, state, predicted)
+        """Compress one sequence now: budget, score, plan, compact. `predicted` (by layer) is the
+        predictor's output, when already computed."""
+        plan = self._plan(seq_id, num_tokens, state, predicted)
+        self._apply(plan)
+
+    def _apply(self, plan: CompressionPlan) -> None:
+        """Compact as planned, keep the keys of the entries it drops where they are audited, then
+        record the sequence's tiers and tell the hooks."""
+        state = plan.state
+        if plan.keep:
+            try:
+                self.store.compact(plan.seq_id, plan.keep)
+            except KVBudgetExceeded as exc:  # the arena's pages are held by other formats: again next interval
+                log.debug("sequence %d not compacted: %s", plan.seq_id, exc)
+            else:
+                for layer, (entries, keys) in plan.dropped.items():
+                    self._audit(state, layer, keys)
+                    if self._logs_misses(state):  # in the audit's order, so the audit's masses line up
+                        windows = plan.predicted[layer].windows
+                        known = state.misses.get(layer) or Dropped.none(windows)
+                        state.misses[layer] = known.add(windows[entries], state.decode_steps)
         if state.history is not None:
-            self._record(seq_id, num_tokens, state)
+            self._record(plan.seq_id, plan.num_tokens, state)
         for hook in self.hooks.compressed:
-            hook(seq_id, num_tokens, state)
+            hook(plan.seq_id, plan.num_tokens, state)
 
     def _record(self, seq_id: int, num_tokens: int, state: SequenceState, final: bool = False) -> None:
         if seq_id not in self.store:
@@ -337,19 +385,22 @@ class Compressor:
             layers.append((kv.positions[: kv.length], kv.num_key_only))
         state.history.record(layers, num_tokens, state.decode_steps, final)
 
-    def _plan_and_compact(
+    def _plan(
         self, seq_id: int, num_tokens: int, state: SequenceState, predicted: dict[int, Forecast] | None
-    ) -> None:
+    ) -> CompressionPlan:
+        """Budget, score and plan one sequence's compression; nothing in the store changes but forecasts."""
         params = state.params
         store = self.store
         budget = self._budget(seq_id, num_tokens, state)
         layers = layers_to_compress(store, seq_id, state, budget)
         state.compressions += 1
+        plan = CompressionPlan(seq_id, num_tokens, state)
         if not layers:
-            return  # nothing to remove: attention is still observed (traces, scores for later)
+            return plan  # nothing to remove: attention is still observed (traces, scores for later)
         if predicted is None and self._uses_predictor(state):
             job = self._prediction_job(seq_id, num_tokens, state, layers)
             predicted = self.future_value.predict(store, [job])[seq_id]
+        plan.predicted = predicted
         confidence = self._token_confidence(state, num_tokens)
         calibration = self._calibration(state) if budget.judge else None
         judged = []
@@ -384,11 +435,10 @@ class Compressor:
         shares = layer_bytes(store.num_layers, state, per_layer)
         over = layers_over(store, seq_id, shares, budget.rounding)
         full_bytes, key_only_bytes = budget.full_bytes, budget.key_only_bytes
-        keep, dropped = {}, {}
         for layer, kv, protected, scores, _, _ in judged:
             if not over[layer]:
                 continue
-            plan = plan_tiers(
+            tiers = plan_tiers(
                 scores,
                 protected,
                 kv.num_key_only,
@@ -398,24 +448,14 @@ class Compressor:
                 state.policy.uses_tiers,
                 value_errors=budget.value_errors,
             )
-            if plan.dropped.numel() == 0 and plan.keep_key_only.numel() == kv.num_key_only:
+            if tiers.dropped.numel() == 0 and tiers.keep_key_only.numel() == kv.num_key_only:
                 continue
-            if self._audits(state) and plan.dropped.numel():  # the keys, before compaction lets them go
-                dropped[layer] = (plan.dropped, store.view(seq_id, layer).keys.index_select(1, plan.dropped))
-            keep[layer] = Keep(full=plan.keep_full, key_only=plan.keep_key_only)
+            if self._audits(state) and tiers.dropped.numel():  # the keys, before compaction lets them go
+                dropped = store.view(seq_id, layer).keys.index_select(1, tiers.dropped)
+                plan.dropped[layer] = (tiers.dropped, dropped)
+            plan.keep[layer] = Keep(full=tiers.keep_full, key_only=tiers.keep_key_only)
         state.judged_until = num_tokens
-        if not keep:
-            return
-        try:
-            store.compact(seq_id, keep)
-        except KVBudgetExceeded as exc:  # the arena's pages are held by other formats: again next interval
-            log.debug("sequence %d not compacted: %s", seq_id, exc)
-            return
-        for layer, (entries, keys) in dropped.items():
-            self._audit(state, layer, keys)
-            if self._logs_misses(state):  # in the audit's order, so the audit's masses line up
-                known = state.misses.get(layer) or Dropped.none(predicted[layer].windows)
-                state.misses[layer] = known.add(predicted[layer].windows[entries], state.decode_steps)
+        return plan
 
     def _budget(self, seq_id: int, num_tokens: int, state: SequenceState) -> Budget:
         return plan_budget(self.store, seq_id, num_tokens, state, self.target_rate(state))

@@ -11,7 +11,9 @@ import torch
 from confkv.compress.config import CompressionParams
 from confkv.compress.history import TierHistory
 from confkv.compress.predictor.misses import Dropped
+from confkv.compress.predictor.online import Forecast
 from confkv.compress.scoring import ScorePolicy
+from confkv.kv.block_tables import Keep
 
 
 class TrackedSequence(Protocol):
@@ -99,6 +101,20 @@ class SequenceState:
         self.layer_weights = None
         if self.history is not None:
             self.history.clear()
+
+
+@dataclass
+class CompressionPlan:
+    """One sequence's compression as decided (`Compressor.plan`), before it is applied (`Compressor.apply`)."""
+
+    seq_id: int
+    num_tokens: int  # tokens computed when it was decided
+    state: SequenceState
+    keep: dict[int, Keep] = field(default_factory=dict)  # the layers that change -> what each keeps
+    # Audited layers -> (the entries it drops, their keys), read before compaction lets them go.
+    dropped: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    predicted: dict[int, Forecast] | None = None  # the forecasts it was decided on, by layer
+    seconds: float = 0.0  # spent deciding it (its share of a batched prediction included)
 
 
 @dataclass

@@ -19,12 +19,13 @@ from confkv.compress.config import CompressionConfig, CompressionParams, resolve
 from confkv.compress.predictor.calibration import Calibration, Source
 from confkv.compress.predictor.online import FutureValue, load_retention, predictor_path
 from confkv.compress.spans import word_starts
+from confkv.engine.compression_worker import CompressionWorker
 from confkv.engine.listeners import CompressionListener, PrefixCacheListener
 from confkv.engine.model_runner import ModelRunner
 from confkv.engine.outputs import Outputs, RequestOutput
 from confkv.engine.sampler import History, SampleOutput, sample
 from confkv.engine.scheduler import Scheduler, SchedulerOutput, SequenceListener
-from confkv.engine.sequence import FinishReason, SamplingParams, ScheduledChunk, Sequence
+from confkv.engine.sequence import FinishReason, SamplingParams, ScheduledChunk, Sequence, SequenceStatus
 from confkv.kv.kv_store import KVBudgetExceeded, KVStore
 from confkv.kv.prefix_cache import PrefixCache
 
@@ -40,6 +41,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     prefix_cache: bool = False  # keep finished requests' KV for reuse by the requests that follow
     lru_k: int = 2  # the prefix cache's replacement policy, LRU-K
+    # Plan due compressions on a worker thread beside the next step's forward pass; the sequences
+    # they compress sit that step out (`confkv.engine.compression_worker`).
+    async_compression: bool = False
 
 
 @dataclass
@@ -50,7 +54,8 @@ class StepStats:
     num_seqs: int
     num_tokens: int
     num_preempted: int
-    compression_s: float = 0.0
+    compression_s: float = 0.0  # compression on the critical path: what the step waited for
+    compression_background_s: float = 0.0  # compression planned beside the forward pass (`async_compression`)
     queue_s: list[float] = field(default_factory=list)  # waits of the sequences admitted in this step
     num_out_of_memory: int = 0  # requests failed for want of KV memory (too big, or an OOM in the forward)
 
@@ -134,6 +139,8 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.max_model_len = _max_model_len(cfg)
         self.last_step: StepStats | None = None
+        self.worker = CompressionWorker(self.compression.plan, self.store.device) if config.async_compression else None
+        self._due: list[Sequence] = []  # compressions due at the end of the last step (`async_compression`)
 
     # ----- requests ----------------------------------------------------------------------
     def add_request(
@@ -239,15 +246,29 @@ class LLMEngine:
     # ----- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once over every scheduled chunk, then postprocess: sample,
-        detokenise, stop and compress. Returns the outputs for the clients."""
+        detokenise, stop and compress. Returns the outputs for the clients.
+
+        With `async_compression` the compressions due at the end of a step are planned during the
+        next one, beside its forward pass, by the worker; the sequences they compress sit it out."""
         started = time.perf_counter()
-        sched = self._schedule()
+        due, self._due = self._due, []
+        sched = self._schedule(due)
+        # Those preempted or finished while it scheduled (or aborted since) are no longer due.
+        due = [seq for seq in due if seq.status is SequenceStatus.RUNNING and seq.seq_id in self.store]
         out_of_memory = len(sched.rejected)
-        compression_s = 0.0
+        job = self.worker.start(due) if due and sched.chunks else None
+        logits = None
+        try:
+            if sched.chunks:
+                logits, failed = self._run(sched)
+                out_of_memory += failed
+        finally:
+            waited = time.perf_counter()
+            plans, background_s = self.worker.finish(job) if job else (self.compression.plan(due), 0.0)
+            self.compression.apply(plans)
+            compression_s = time.perf_counter() - waited
         if sched.chunks:
-            logits, failed = self._run(sched)
-            out_of_memory += failed
-            compression_s = self._postprocess(sched, logits)
+            compression_s += self._postprocess(sched, logits)
         outputs = self.outputs.drain()
         self.last_step = StepStats(
             time.perf_counter() - started,
@@ -255,18 +276,20 @@ class LLMEngine:
             sched.num_tokens,
             len(sched.preempted),
             compression_s,
+            background_s,
             [seq.first_scheduled_time - seq.arrival_time for seq in sched.admitted],
             out_of_memory,
         )
         return outputs
 
-    def _schedule(self) -> SchedulerOutput:
-        """Time out requests past their deadline, schedule, and fail those that can never fit."""
+    def _schedule(self, compressing: list[Sequence] | None = None) -> SchedulerOutput:
+        """Time out requests past their deadline, schedule (all but the `compressing` sequences),
+        and fail those that can never fit."""
         now = time.monotonic()
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             if seq.params.deadline is not None and now > seq.params.deadline:
                 self.scheduler.finish(seq, FinishReason.TIMEOUT)
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule({seq.seq_id for seq in compressing or []})
         for seq in sched.rejected:
             # All its tokens, not the ones left to compute: a running request refused for its next
             # token needs the room of every token it holds and that one.
@@ -294,7 +317,8 @@ class LLMEngine:
 
     def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor | None) -> float:
         """Advance the scheduled sequences, sample the next token of those that need one, then
-        compress the sequences still running; return the seconds compression took."""
+        compress the sequences still running whose compression is due (with `async_compression`,
+        leave it for the next step); return the seconds compression took here."""
         sampled = [seq for seq, chunk in zip(sched.sequences, sched.chunks, strict=True) if chunk.needs_logits]
         for seq, chunk in zip(sched.sequences, sched.chunks, strict=True):
             seq.num_computed += len(chunk.token_ids)
@@ -312,7 +336,12 @@ class LLMEngine:
         with torch.profiler.record_function(COMPRESS_EVENT):
             started = time.perf_counter()
             self._look_ahead(running)
-            return time.perf_counter() - started + self.compression.after_step(running, confidence)
+            due = self.compression.due(running, confidence)
+            if self.worker is not None:
+                self._due = due
+            else:
+                self.compression.apply(self.compression.plan(due))
+            return time.perf_counter() - started
 
     # ----- internals ---------------------------------------------------------------------
     def _park_prompts(self, sequences: list[Sequence]) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -75,14 +75,17 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, compressing: Collection[int] = ()) -> SchedulerOutput:
+        """What runs in this step. The `compressing` sequences (by seq_id) sit it out, their
+        compression running beside it, but stay running: they hold their memory, and may be
+        squeezed or preempted."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         # Running sequences first, oldest first: decodes take one token, prefills a chunk.
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted while making room for an older one
+            if seq not in self.running or seq.seq_id in compressing:  # preempted making room for an older one
                 continue
             n = self._chunk(seq, budget)
             if self._reserve_or_preempt(seq, n, out):

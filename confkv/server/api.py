@@ -58,6 +58,7 @@ def build_engine(settings: Settings) -> LLMEngine:
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         prefix_cache=settings.enable_prefix_cache,
+        async_compression=settings.async_compression,
         lru_k=compression.lru_k,
     )
     log.info(

@@ -111,6 +111,11 @@ class Settings(BaseSettings):
     )
     max_num_seqs: int = Field(32, ge=1, description="most sequences running at once")
     max_num_batched_tokens: int = Field(512, ge=1, description="most tokens in one forward pass (chunked prefill)")
+    async_compression: bool = Field(
+        False,
+        description="plan due compressions on a worker thread beside the next step's forward pass (the sequences "
+        "compressed sit that step out); off: compress between steps",
+    )
     max_queue_size: int = Field(256, ge=0, description="most requests waiting; beyond it 503 with Retry-After")
     max_queue_tokens: int = Field(
         262144, ge=1, description="most prompt tokens queued or running; beyond it 503 with Retry-After"
