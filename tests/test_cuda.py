@@ -1,13 +1,15 @@
 """The CUDA paths, against the CPU: decode attention at the embedded model's sizes; generation with
 compression off and on, step by step on one model with random weights (the embedded model's
 architecture: real weights need not travel to a GPU machine), its logits compared with the CPU's;
-and generation under torch's CUDA sanitizer.
+asynchronous compression (the worker's stream) against compressing between steps; and generation
+under torch's CUDA sanitizer.
 
 They run only where `torch.cuda.is_available()` (`make gpu-check` runs them, `pytest -m cuda` selects
 them) and are skipped elsewhere. On CUDA the decode step reads the block pools through the same
 interface as on the CPU, the KV budget is taken from the memory the weights and a forward pass at
-the largest batch leave free, and every kernel must stay on one stream (the sanitizer would see any
-unordered use across streams); these are what a CPU-only test suite cannot see.
+the largest batch leave free, and every kernel must stay on one stream but the worker's plans with
+`async_compression`, ordered against it by waits (the sanitizer would see any unordered use across
+streams); these are what a CPU-only test suite cannot see.
 """
 
 from __future__ import annotations
@@ -192,12 +194,20 @@ def placed(loaded: tuple, device: torch.device, dtype: torch.dtype) -> tuple:
     return copy.deepcopy(model).to(device, dtype), tokenizer, predictor
 
 
-def generate(loaded: tuple, request: dict, forced: list[list[int]] | None = None, seqs: int = SEQS) -> list[Generated]:
+def generate(
+    loaded: tuple,
+    request: dict,
+    forced: list[list[int]] | None = None,
+    seqs: int = SEQS,
+    async_compression: bool = False,
+) -> list[Generated]:
     """`seqs` corpus prompts decoded together by the engine as the benchmarks build it (greedy, EOS
     ignored), compressed as `request` asks: their tokens, compression_metrics and the logits each
     token was chosen from. With `forced`, each sequence decodes those tokens instead of its own
     choices (teacher forcing), so that two runs' logits can be compared step by step."""
-    engine = decoding_engine(*loaded, request, seqs, PROMPT_TOKENS, MAX_TOKENS, stats=True)
+    engine = decoding_engine(
+        *loaded, request, seqs, PROMPT_TOKENS, MAX_TOKENS, stats=True, async_compression=async_compression
+    )
     index = {seq.seq_id: int(request_id) for request_id, seq in engine.outputs.requests.items()}
     logits: dict[int, list[torch.Tensor]] = defaultdict(list)
 
@@ -276,19 +286,37 @@ def test_compression_on_cuda_holds_what_it_holds_on_the_cpu(cpu_fp32):
             assert abs(on["entries"][tier] - off["entries"][tier]) <= 0.05 * total, tier
 
 
+def test_asynchronous_compression_on_cuda_holds_what_compressing_between_steps_holds(cpu_fp32):
+    """With `async_compression` the worker plans on a stream of its own beside the forward pass. The
+    two runs batch differently (a compressing sequence sits a step out), so on CUDA their sums may
+    round apart: logits agree up to the first compression, then tokens and held bytes must agree
+    as the budget sets them."""
+    loaded = placed(cpu_fp32, CUDA, torch.float32)
+    want = generate(loaded, INT8)
+    got = generate(loaded, INT8, async_compression=True)
+    assert logit_error(got, want, steps=1) < FP32_LOGITS
+    for g, w in zip(got, want, strict=True):
+        assert len(g.tokens) == MAX_TOKENS
+        assert g.metrics["original_size"] == w.metrics["original_size"]
+        assert abs(g.metrics["compression_ratio"] - w.metrics["compression_ratio"]) < 0.05
+        assert g.metrics["entries"]["dropped"] > 0
+
+
 def generate_both_on_cuda() -> None:
-    """Generation on CUDA in bf16, compression off and on, with fewer sequences (what the sanitizer
-    test runs: it checks every kernel launch from Python, which is slow)."""
+    """Generation on CUDA in bf16, compression off, on, and on planned beside the forward pass on
+    the worker's stream, with fewer sequences (what the sanitizer test runs: it checks every kernel
+    launch from Python, which is slow)."""
     model = load_with_predictor(random_model_path(MODEL_NAME), predictor_path(None), CUDA, torch.bfloat16)
-    for request in (OFF, INT8):
-        generate(model, request, seqs=2)
+    for request, asynchronous in ((OFF, False), (INT8, False), (INT8, True)):
+        generate(model, request, seqs=2, async_compression=asynchronous)
     torch.cuda.synchronize()
 
 
 @pytest.mark.slow
 def test_generation_on_cuda_passes_the_cuda_sanitizer():
     """torch's CUDA sanitizer (CSAN) checks every kernel's reads and writes across streams: nothing
-    in a step (forward pass, sampling, compression) may touch a tensor from an unordered stream."""
+    in a step (forward pass, sampling, compression, the worker's plans on their own stream) may
+    touch a tensor from an unordered stream."""
     run = subprocess.run(
         [sys.executable, "-c", "from tests.test_cuda import generate_both_on_cuda; generate_both_on_cuda()"],
         cwd=ROOT,

@@ -169,13 +169,16 @@ def test_the_check_runs_dry_on_the_cpu_from_the_bundle(bundle, tmp_path):
     for stage in ("machine", "bundle", "gpu check"):
         assert f"== {stage}: " in run.stdout
     check = json.loads((results / "gpu_check.json").read_text())
-    assert [(p["name"], p["status"]) for p in check["parts"]] == [("tests", "ok"), ("decode", "ok"), ("serving", "ok")]
+    assert [(p["name"], p["status"]) for p in check["parts"]] == [(part, "ok") for part in gpu_check.PARTS]
     assert check["machine"]["name"] == "CPU (dry run)"
     decode = check["decode_step"]
     assert set(decode) == set(gpu_check.DECODE_SETUPS)
     assert all(row["mean_step_ms"] > 0 and 0 <= row["compressor_share"] < 1 for row in decode.values())
     assert check["serving"]["errors"] == 0 and check["serving"]["off_tokens_per_s"] > 0
     assert check["targets"]["throughput"]["met"] in ("met", "not met")
+    for ways in check["async_compression"].values():
+        assert set(ways) == {"between steps", "beside the forward pass"}
+        assert all(row["tokens_per_s"] > 0 and 0 <= row["critical_share"] < 1 for row in ways.values())
     serving = json.loads((results / "gpu_serving_fixed_budget.json").read_text())
     assert serving["args"]["model_path"] == "SmolLM2-135M-Instruct-random-0"
     assert (results / "gpu_check.md").read_text().startswith("# GPU check")

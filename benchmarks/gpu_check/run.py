@@ -14,7 +14,10 @@ Its parts, in order of what matters most, each under a time limit:
    step from torch's profiler;
 3. serving: a fixed KV budget over HTTP (`benchmarks/serving_http/run.py --headline`), the server on
    the same model, a budget that holds 16 uncompressed requests, 128 requests of 4096 tokens
-   offered, compression off against dynamic 0.6.
+   offered, compression off against dynamic 0.6;
+4. async: asynchronous compression against compressing between steps
+   (`benchmarks/async_compression/run.py`), 16 and 64 sequences of 1024 tokens on the same model:
+   decode throughput, and compression's share of the step on the critical path and beside it.
 
 Each part writes its own results under benchmarks/gpu_check/results/; this script adds gpu_check.{json,md}
 (the GPU, torch, triton and transformers, each part's status and time, the figures) and reports two
@@ -57,7 +60,8 @@ from benchmarks.report import ROOT, Provenance, command_line, save_report  # noq
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-TESTS, DECODE, SERVING = "tests", "decode", "serving"
+TESTS, DECODE, SERVING, ASYNC = "tests", "decode", "serving", "async"
+PARTS = (TESTS, DECODE, SERVING, ASYNC)
 DECODE_SETUPS = ("compression off", "int8, rate 0.6", "int8, rate 0.875")
 SERVING_ON = "dynamic 0.6"  # serving_client.py's compressed mode
 DECODE_TARGET = 0.6  # compressed int8 step / bf16 step, at most
@@ -78,19 +82,23 @@ class Plan:
     fit: int  # serving: uncompressed requests the KV budget holds
     requests: int  # serving: requests offered at once
     max_tokens: int  # serving: tokens each decodes
+    async_prompt_tokens: int  # async: prompt length (two engines' caches at once, both batches)
     threads: int
     limits: dict[str, float] = field(default_factory=dict)
 
 
 # An H200 (about 139 GiB): 64 x 4096 tokens of this model's KV are 32 GiB in bf16, the weights 16 GiB.
-# The limits add up to 7 minutes, so that a lease of a quarter of an hour leaves time for a second try.
+# The limits add up to 8 minutes, so that a lease of a quarter of an hour leaves time to run again the
+# parts that failed (`--parts`).
 GPU = Plan(
     "cuda", "bfloat16", "Llama-3.1-8B", seqs=64, prompt_tokens=4096, steps=32, profile_steps=16, fit=16,
-    requests=128, max_tokens=128, threads=os.cpu_count() or 16, limits={TESTS: 150, DECODE: 120, SERVING: 150},
+    requests=128, max_tokens=128, async_prompt_tokens=1024, threads=os.cpu_count() or 16,
+    limits={TESTS: 150, DECODE: 120, SERVING: 150, ASYNC: 60},
 )  # fmt: skip
 DRY_RUN = Plan(
     "cpu", "float32", "SmolLM2-135M-Instruct", seqs=2, prompt_tokens=64, steps=4, profile_steps=4, fit=2,
-    requests=4, max_tokens=8, threads=2, limits={TESTS: 120, DECODE: 240, SERVING: 300},
+    requests=4, max_tokens=8, async_prompt_tokens=64, threads=2,
+    limits={TESTS: 120, DECODE: 240, SERVING: 300, ASYNC: 240},
 )  # fmt: skip
 
 
@@ -112,7 +120,7 @@ class Part:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: everything but the GPU")
-    parser.add_argument("--parts", nargs="+", choices=[TESTS, DECODE, SERVING], default=[TESTS, DECODE, SERVING])
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--results", type=Path, default=RESULTS / "gpu", help="where every part writes")
     args = parser.parse_args()
     plan = DRY_RUN if args.dry_run else GPU
@@ -140,6 +148,7 @@ def main() -> None:
         "tests": tests,
         "decode_step": decode_figures(args.results) if DECODE in ran else None,
         "serving": serving_figures(args.results) if SERVING in ran else None,
+        "async_compression": async_figures(args.results) if ASYNC in ran else None,
     }
     data["targets"] = targets(data)
     save_report(args.results / "gpu_check", "GPU check", summary(data), data, args, provenance)
@@ -170,6 +179,13 @@ def plan_parts(plan: Plan, results: Path, junit: Path, dry_run: bool) -> list[Pa
             + ["--fit", str(plan.fit), "--num-prompts", str(plan.requests), "--prompt-tokens", str(plan.prompt_tokens)]
             + ["--max-tokens", str(plan.max_tokens), "--out", relative(results / "gpu_serving_fixed_budget")],
             plan.limits[SERVING],
+        ),
+        Part(
+            ASYNC,
+            ["benchmarks/async_compression/run.py", *placement, "--seqs", "16", str(plan.seqs), "--prompt-tokens"]
+            + [str(plan.async_prompt_tokens), "--tokens", str(plan.steps), "--out"]
+            + [relative(results / "gpu_async_compression")],
+            plan.limits[ASYNC],
         ),
     ]
 
@@ -285,6 +301,18 @@ def serving_figures(results: Path) -> dict:
     }
 
 
+def async_figures(results: Path) -> dict:
+    """By batch: each way's decode throughput and compression's share of the step on the critical path."""
+    batches = json.loads((results / "gpu_async_compression.json").read_text())["results"]
+    return {
+        seqs: {
+            way: {"tokens_per_s": row["tokens_per_s"], "critical_share": row["critical_share"]}
+            for way, row in ways.items()
+        }
+        for seqs, ways in batches.items()
+    }
+
+
 def targets(data: dict) -> dict:
     """Each target: what was measured and whether it is met (None where its part did not run)."""
     decode, serving = data["decode_step"], data["serving"]
@@ -337,6 +365,15 @@ def summary(data: dict) -> str:
                 f"| - off / {SERVING_ON} | {s['off_tokens_per_s']:.0f} / {s['on_tokens_per_s']:.0f} output tok/s, "
                 f"peak running {s['off_peak_running']} / {s['on_peak_running']}, {s['errors']} errors | |"
             )
+        if part["name"] == ASYNC and data["async_compression"]:
+            for seqs, ways in data["async_compression"].items():
+                between, beside = ways["between steps"], ways["beside the forward pass"]
+                lines.append(
+                    f"| - {seqs} sequences, between steps / beside the forward pass | {between['tokens_per_s']:.0f} / "
+                    f"{beside['tokens_per_s']:.0f} tok/s ({beside['tokens_per_s'] / between['tokens_per_s']:.2f}x); "
+                    f"compression on the critical path {100 * between['critical_share']:.1f}% / "
+                    f"{100 * beside['critical_share']:.1f}% of the step | |"
+                )
     for target in data["targets"].values():
         lines.append(f"| target: {target['target']} | {target['measured']}: {target['met'] or 'not measured'} | |")
     return "\n".join(lines)
