@@ -9,12 +9,15 @@ median, p99), request and token throughput, goodput under an SLO, and errors; me
 The headline experiment (`--headline`, `make bench-serving`): a KV budget that holds about 8
 uncompressed requests of 1.5k-token prompts, then 32 concurrent such requests with compression off
 and with `dynamic` at 0.6, both measured in one run; a few greedy answers are compared across the
-two. Results: benchmarks/serving_http/results/serving_http.{json,md,png}.
+two. With `--async-compression`, `dynamic` at 0.6 also runs on a server with `async_compression`
+on. Results: benchmarks/serving_http/results/serving_http.{json,md,png}.
 
     python benchmarks/serving_http/run.py --headline
     python benchmarks/serving_http/run.py --url http://127.0.0.1:8080 --num-prompts 64 --request-rate 2
     python benchmarks/serving_http/run.py --headline --quick      # a few minutes
     python benchmarks/serving_http/run.py --headline --quick --no-generate-batch --device cuda --dtype bfloat16
+    python benchmarks/serving_http/run.py --headline --prompt-tokens 512 --max-tokens 256 --no-generate-batch \
+        --async-compression --out benchmarks/serving_http/results/serving_decode_heavy_async
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 from load_tests.run import served  # noqa: E402
 
 GENERATE_BATCH = "transformers generate_batch"
+ON = "dynamic 0.6"
+ASYNC = "dynamic 0.6, async compression"
 
 
 @dataclass
@@ -251,14 +256,18 @@ def headline(args) -> None:
 
     config = AutoConfig.from_pretrained(model_folder(args.model_path))
     budget_mb = args.fit * (args.prompt_tokens + args.max_tokens + 32) * token_bytes(config, served_dtype(args)) / 1e6
-    modes = {"compression off": {"enabled": False}, "dynamic 0.6": {"policy": "dynamic", "compression_rate": 0.6}}
+    on = {"policy": "dynamic", "compression_rate": 0.6}
+    modes = {"compression off": ({"enabled": False}, []), ON: (on, [])}  # name -> request, server flags
+    if args.async_compression:
+        modes[ASYNC] = (on, ["--async-compression=true"])
     summaries, runs = {}, {}
-    for name, compression in modes.items():
+    for name, (compression, extra) in modes.items():
         flags = [
             f"--max-cache-size={budget_mb:.0f}MB",
             f"--max-num-seqs={args.num_prompts}",
             "--enable-prefix-cache=false",
             *server_flags(args),
+            *extra,
         ]
         bodies = prompt_bodies(args.num_prompts, args.prompt_tokens, args.max_tokens, compression, args.model_path)
         with served(None, flags) as (url, _):
@@ -286,7 +295,7 @@ def answer_agreement(runs: dict, count: int) -> dict | None:
     from rouge_score import rouge_scorer
 
     scorer = rouge_scorer.RougeScorer(["rougeL"])
-    pairs = list(zip(runs["compression off"]["results"][:count], runs["dynamic 0.6"]["results"][:count], strict=True))
+    pairs = list(zip(runs["compression off"]["results"][:count], runs[ON]["results"][:count], strict=True))
     rouge = [scorer.score(off.text, on.text)["rougeL"].fmeasure for off, on in pairs]
     return {
         "compared": len(pairs),
@@ -312,8 +321,8 @@ def report(summaries: dict, runs: dict, args, setup: str, agreement: dict | None
             f"{s['tpot_s']['median']:.3f} / {s['tpot_s']['p99']:.3f} | "
             f"{s['itl_s']['median']:.3f} / {s['itl_s']['p99']:.3f} |"
         )
-    if "dynamic 0.6" in summaries:
-        a, b = summaries["compression off"], summaries["dynamic 0.6"]
+    if ON in summaries:
+        a, b = summaries["compression off"], summaries[ON]
         answers = (
             f" Answers of the first {agreement['compared']} requests: {agreement['identical']} identical, ROUGE-L "
             f"{agreement['rouge_l']:.3f} against the uncompressed ones."
@@ -327,6 +336,13 @@ def report(summaries: dict, runs: dict, args, setup: str, agreement: dict | None
             f"{b['output_token_throughput'] / max(a['output_token_throughput'], 1e-9):.2f}x the token throughput, "
             f"p99 TTFT {b['ttft_s']['p99']:.1f} s against {a['ttft_s']['p99']:.1f} s.{answers}",
         ]
+        beside = summaries.get(ASYNC)
+        if beside:
+            ratio = beside["output_token_throughput"] / max(b["output_token_throughput"], 1e-9)
+            lines.append(
+                f"With async_compression: {ratio:.2f}x the token throughput of compressing between steps, "
+                f"{beside['peak_running']:.0f} peak running against {b['peak_running']:.0f}."
+            )
         peer = summaries.get(GENERATE_BATCH)
         if peer:
             lines.append(
@@ -385,6 +401,9 @@ def main() -> None:
         dest="generate_batch",
         action="store_false",
         help="headline: leave out transformers' generate_batch (the longest run)",
+    )
+    parser.add_argument(
+        "--async-compression", action="store_true", help="headline: also dynamic 0.6 with async_compression on"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="8 requests of 512 tokens, 32 new, room for 2")
