@@ -51,18 +51,27 @@ def start_server(
     port = free_port()
     proc = subprocess.Popen([sys.executable, str(root / "serve.py"), "--port", str(port), *extra], cwd=root, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    try:
+        _wait_ready(proc, url)
+    except BaseException:  # not ready, or the caller stopped meanwhile: never leave the server running
+        proc.terminate()
+        proc.wait(60)
+        raise
+    return proc, url
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit("the server exited before it was ready; see its log above")
         try:
             if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit("the server was not ready after 300 s")
+    raise SystemExit(f"the server was not ready after {timeout_s:.0f} s")
 
 
 def run_locust(host: str, users: int, spawn_rate: float, duration: str, out: Path) -> int:

@@ -1,4 +1,5 @@
-"""The decode-step benchmark's process handling: a stopped run leaves nothing measuring behind."""
+"""The benchmarks' process handling: a stopped run leaves nothing behind (the decode step's measuring
+child, RULER's server and lm-eval)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,5 +48,45 @@ def test_stopping_the_benchmark_stops_its_measuring_child(tmp_path, default_path
         parent.kill()
         parent.wait()
         for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+
+
+def _server_children(parent: psutil.Process) -> list[psutil.Process]:
+    children = []
+    for child in parent.children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if any(part.endswith("serve.py") for part in child.cmdline()):
+                children.append(child)
+    return children
+
+
+@pytest.mark.parametrize("when", ["starting", "serving"])
+def test_stopping_ruler_stops_its_server_and_lm_eval(tmp_path, default_path, when):
+    """Stopped while its server starts, or while lm-eval runs against it: nothing it started lives on."""
+    command = [sys.executable, "benchmarks/ruler/run.py", "--tasks", "niah_single_1", "--lengths", "4096"]
+    command += ["--limit", "1", "--setups", "compression off", "--model-path", str(default_path)]
+    command += ["--out", str(tmp_path / "ruler")]
+    parent = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 180
+        while parent.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+            servers = _server_children(psutil.Process(parent.pid))
+            others = [c for c in psutil.Process(parent.pid).children() if c not in servers]
+            if servers and (when == "starting" or others):  # serving: lm-eval is running beside it
+                started = psutil.Process(parent.pid).children(recursive=True)
+                break
+        assert started, f"the benchmark never got to {when}"
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(timeout=90) == 128 + signal.SIGTERM
+        _, alive = psutil.wait_procs(started, timeout=30)
+        assert not alive, f"outlived the stopped benchmark: {[p.cmdline()[:3] for p in alive]}"
+        assert not (tmp_path / "ruler.json").exists()
+    finally:
+        parent.kill()
+        parent.wait()
+        for child in started:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -91,6 +92,9 @@ def main() -> None:
     add_placement_options(parser)
     parser.add_argument("--out", type=Path, default=RESULTS / "ruler")
     args = parser.parse_args()
+    # Stopped, stop the server and lm-eval too: on SIGTERM exit as on any error, so that `served` stops
+    # the server and subprocess.run kills lm-eval, instead of leaving both to spoil later runs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in tqdm(args.setups, unit="setup"):
