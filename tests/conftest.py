@@ -82,6 +82,9 @@ _TIER_OF = {module: tier for tier, modules in TIERS.items() for module in module
 def pytest_configure(config: pytest.Config) -> None:
     for tier in TIERS:
         config.addinivalue_line("markers", f"{tier}: the {tier} tier of tests (tests/conftest.py, TIERS)")
+    config.addinivalue_line(
+        "markers", "refused(status): a client test that expects the server to refuse its requests with that status"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

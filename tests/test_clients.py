@@ -24,13 +24,17 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "LITELLM_LOCAL_MOD
 
 
 @pytest.fixture(autouse=True)
-def nothing_refused_or_ignored(server):
-    """Every request a client sends in a test is answered 200 and has no field ignored."""
+def nothing_refused_or_ignored(server, request):
+    """Every request a client sends in a test is answered 200 and has no field ignored, but the
+    refusals a test marks as its subject (`@pytest.mark.refused("404")`)."""
+    marker = request.node.get_closest_marker("refused")
+    expected = set(marker.args) if marker else set()
     before, ignored_before = _requests_by_status(server.url), _ignored(server.url)
     yield
     after = _requests_by_status(server.url)
     refused = {status: n - before.get(status, 0) for status, n in after.items() if status.isdigit()}
-    assert not {status: n for status, n in refused.items() if n}, f"requests refused: {refused}"
+    unexpected = {status: n for status, n in refused.items() if n and status not in expected}
+    assert not unexpected, f"requests refused: {refused}"
     assert _ignored(server.url) == ignored_before, "a client sent a field this server ignored"
 
 
@@ -208,6 +212,32 @@ def test_the_guidellm_benchmark_compares_both_modes_at_one_budget(tmp_path):
         done = rows["2"]["successful"]
         assert done >= 1 and rows["2"]["errored"] == 0 and rows["2"]["output_tokens"] == done * 4
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.refused("404")
+def test_the_guidellm_benchmark_says_what_failed(server, default_path, tmp_path):
+    """When guidellm's requests fail, the benchmark stops naming guidellm's own errors (read from its
+    report): here every request names a model the server does not serve."""
+    from benchmarks.serving_guidellm.run import errors
+
+    report = tmp_path / "guidellm.json"
+    run = subprocess.run(
+        [str(Path(sys.executable).with_name("guidellm")), "run", "--disable-console-interactive"]
+        + ["--backend", f"kind=openai_http,target={server.url},model=no-such-model,request_format=/v1/completions"]
+        + ["--profile", "kind=concurrent,streams=1", "--constraint", "kind=max_requests,count=2"]
+        + ["--data", "kind=synthetic_text,prompt_tokens=16,output_tokens=4"]
+        + ["--tokenizer", f"kind=huggingface_auto,model={default_path}", "--output", f"kind=json,path={report}"],
+        cwd=tmp_path,
+        env={**os.environ, **OFFLINE},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    benchmarks = json.loads(report.read_text())["benchmarks"]
+    assert benchmarks[0]["metrics"]["request_totals"]["errored"] >= 1
+    found = errors(benchmarks)
+    assert found and all("404" in error for error in found), found
 
 
 def test_ruler_benchmark_scores_a_needle_through_local_completions(server, tmp_path, monkeypatch):

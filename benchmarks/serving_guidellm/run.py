@@ -91,9 +91,22 @@ def run_guidellm(url: str, args: argparse.Namespace) -> dict[str, dict]:
         benchmarks = json.loads(report.read_text())["benchmarks"]
     done = {str(b["config"]["strategy"]["streams"]): figures(b) for b in benchmarks}
     failed = {streams: r["errored"] for streams, r in done.items() if r["errored"]}
-    if failed:  # a figure of failed requests says nothing: stop, saying where to look
-        sys.exit(f"guidellm's requests failed (errored requests by streams: {failed}); see the server's log above")
+    if failed:  # a figure of failed requests says nothing: stop, saying what failed and where to look
+        sys.exit(
+            f"guidellm's requests failed (errored requests by streams: {failed}); guidellm's errors: "
+            f"{errors(benchmarks)}; the server's log above says what it saw"
+        )
     return done
+
+
+def errors(benchmarks: list[dict]) -> list[str]:
+    """The distinct errors of guidellm's errored requests (as it sampled them), at most three."""
+    seen = {
+        str((request.get("info") or {}).get("error"))
+        for benchmark in benchmarks
+        for request in (benchmark.get("requests") or {}).get("errored") or []
+    }
+    return sorted(seen)[:3]
 
 
 def figures(benchmark: dict) -> dict:
