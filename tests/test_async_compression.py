@@ -19,6 +19,8 @@ from confkv.compress.config import CompressionConfig, resolve
 from confkv.compress.predictor.model import PredictorConfig, ValuePredictor
 from confkv.compress.predictor.online import FutureValue
 from confkv.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
+from confkv.server.api import build_engine
+from confkv.server.settings import Settings
 from tests.helpers import check_references, greedy, tiny_model, tokens_of
 
 SETTINGS = {"sink_tokens": 4, "recent_window": 16, "compression_interval": 8, "score_interval": 2}
@@ -232,3 +234,10 @@ def test_a_step_that_only_compresses_runs_no_forward_and_emits_nothing(model, to
         stats = engine.last_step
         assert stats.num_seqs == 0 and stats.compression_s > 0 and stats.compression_background_s == 0
         assert engine.store.seq_bytes(engine.scheduler.running[0].seq_id) < before
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_the_server_setting_reaches_the_engine(tiny_model_dir, on):
+    settings = Settings(model_path=tiny_model_dir, async_compression=on, max_cache_size="64MB", value_predictor="off")
+    engine = build_engine(settings)
+    assert engine.config.async_compression is on and (engine.worker is not None) is on
