@@ -136,13 +136,26 @@ def test_lm_eval_runs_a_task_through_the_openai_routes(server, default_path, sum
 def test_guidellm_benchmarks_the_server(server, default_path, tmp_path, route):
     """`guidellm run` as its users run it: synthetic prompts, a concurrent profile, a request limit.
     It streams with vLLM's `continuous_usage_stats` and counts tokens from the server's usage."""
+    benchmarks = _guidellm(server.url, MODEL, route, 2, 6, 64, 16, default_path, tmp_path)
+    metrics = benchmarks[0]["metrics"]
+    done = metrics["request_totals"]["successful"]  # guidellm may cancel what is in flight at its limit
+    assert done >= 6 - 2 and metrics["request_totals"]["errored"] == 0
+    assert metrics["output_token_count"]["successful"]["total_sum"] == done * 16
+    assert metrics["prompt_token_count"]["successful"]["total_sum"] >= done * 64
+
+
+def _guidellm(
+    url: str, model: str, route: str, streams: int, count: int, prompt: int, output: int, tokenizer, tmp_path: Path
+) -> list[dict]:
+    """`guidellm run` as its users run it (a concurrent profile, a request limit, synthetic prompts of
+    `prompt` tokens asking `output`): the benchmarks of its JSON report."""
     report = tmp_path / "guidellm.json"
     run = subprocess.run(
         [str(Path(sys.executable).with_name("guidellm")), "run", "--disable-console-interactive"]
-        + ["--backend", f"kind=openai_http,target={server.url},model={MODEL},request_format={route}"]
-        + ["--profile", "kind=concurrent,streams=2", "--constraint", "kind=max_requests,count=6"]
-        + ["--data", "kind=synthetic_text,prompt_tokens=64,output_tokens=16"]
-        + ["--tokenizer", f"kind=huggingface_auto,model={default_path}", "--output", f"kind=json,path={report}"],
+        + ["--backend", f"kind=openai_http,target={url},model={model},request_format={route}"]
+        + ["--profile", f"kind=concurrent,streams={streams}", "--constraint", f"kind=max_requests,count={count}"]
+        + ["--data", f"kind=synthetic_text,prompt_tokens={prompt},output_tokens={output}"]
+        + ["--tokenizer", f"kind=huggingface_auto,model={tokenizer}", "--output", f"kind=json,path={report}"],
         cwd=tmp_path,
         env={**os.environ, **OFFLINE},
         capture_output=True,
@@ -150,11 +163,7 @@ def test_guidellm_benchmarks_the_server(server, default_path, tmp_path, route):
         timeout=600,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    metrics = json.loads(report.read_text())["benchmarks"][0]["metrics"]
-    done = metrics["request_totals"]["successful"]  # guidellm may cancel what is in flight at its limit
-    assert done >= 6 - 2 and metrics["request_totals"]["errored"] == 0
-    assert metrics["output_token_count"]["successful"]["total_sum"] == done * 16
-    assert metrics["prompt_token_count"]["successful"]["total_sum"] >= done * 64
+    return json.loads(report.read_text())["benchmarks"]
 
 
 @pytest.mark.parametrize("index", range(3))
@@ -220,21 +229,7 @@ def test_the_guidellm_benchmark_says_what_failed(server, default_path, tmp_path)
     report): here every request names a model the server does not serve."""
     from benchmarks.serving_guidellm.run import errors
 
-    report = tmp_path / "guidellm.json"
-    run = subprocess.run(
-        [str(Path(sys.executable).with_name("guidellm")), "run", "--disable-console-interactive"]
-        + ["--backend", f"kind=openai_http,target={server.url},model=no-such-model,request_format=/v1/completions"]
-        + ["--profile", "kind=concurrent,streams=1", "--constraint", "kind=max_requests,count=2"]
-        + ["--data", "kind=synthetic_text,prompt_tokens=16,output_tokens=4"]
-        + ["--tokenizer", f"kind=huggingface_auto,model={default_path}", "--output", f"kind=json,path={report}"],
-        cwd=tmp_path,
-        env={**os.environ, **OFFLINE},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    benchmarks = json.loads(report.read_text())["benchmarks"]
+    benchmarks = _guidellm(server.url, "no-such-model", "/v1/completions", 1, 2, 16, 4, default_path, tmp_path)
     assert benchmarks[0]["metrics"]["request_totals"]["errored"] >= 1
     found = errors(benchmarks)
     assert found and all("404" in error for error in found), found

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -16,15 +17,23 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _measuring_children(parent: psutil.Process) -> list[psutil.Process]:
+def _children(parent: psutil.Process, matches: Callable[[list[str]], bool]) -> list[psutil.Process]:
+    """The descendants of `parent` whose command line `matches`."""
     children = []
     for child in parent.children(recursive=True):
-        try:
-            if "--measure" in child.cmdline():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if matches(child.cmdline()):
                 children.append(child)
-        except psutil.NoSuchProcess:
-            continue
     return children
+
+
+def _kill_all(parent: subprocess.Popen, children: list[psutil.Process]) -> None:
+    """Whatever a test left running, gone (a failed assertion must not leave a benchmark behind)."""
+    parent.kill()
+    parent.wait()
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
 
 
 def test_stopping_the_benchmark_stops_its_measuring_child(tmp_path, default_path):
@@ -36,7 +45,7 @@ def test_stopping_the_benchmark_stops_its_measuring_child(tmp_path, default_path
         children: list[psutil.Process] = []
         while not children and parent.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-            children = _measuring_children(psutil.Process(parent.pid))
+            children = _children(psutil.Process(parent.pid), lambda cmdline: "--measure" in cmdline)
         assert children, "the benchmark started no measuring child"
         parent.send_signal(signal.SIGTERM)
         stopped_with = parent.wait(timeout=60)
@@ -45,20 +54,7 @@ def test_stopping_the_benchmark_stops_its_measuring_child(tmp_path, default_path
         assert stopped_with == 128 + signal.SIGTERM
         assert not (tmp_path / "decode_step.json").exists()
     finally:
-        parent.kill()
-        parent.wait()
-        for child in children:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                child.kill()
-
-
-def _server_children(parent: psutil.Process) -> list[psutil.Process]:
-    children = []
-    for child in parent.children(recursive=True):
-        with contextlib.suppress(psutil.NoSuchProcess):
-            if any(part.endswith("serve.py") for part in child.cmdline()):
-                children.append(child)
-    return children
+        _kill_all(parent, children)
 
 
 @pytest.mark.parametrize("when", ["starting", "serving"])
@@ -73,7 +69,7 @@ def test_stopping_ruler_stops_its_server_and_lm_eval(tmp_path, default_path, whe
         deadline = time.monotonic() + 180
         while parent.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
-            servers = _server_children(psutil.Process(parent.pid))
+            servers = _children(psutil.Process(parent.pid), lambda line: any(a.endswith("serve.py") for a in line))
             others = [c for c in psutil.Process(parent.pid).children() if c not in servers]
             if servers and (when == "starting" or others):  # serving: lm-eval is running beside it
                 started = psutil.Process(parent.pid).children(recursive=True)
@@ -85,8 +81,4 @@ def test_stopping_ruler_stops_its_server_and_lm_eval(tmp_path, default_path, whe
         assert not alive, f"outlived the stopped benchmark: {[p.cmdline()[:3] for p in alive]}"
         assert not (tmp_path / "ruler.json").exists()
     finally:
-        parent.kill()
-        parent.wait()
-        for child in started:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                child.kill()
+        _kill_all(parent, started)
