@@ -3,7 +3,7 @@
 Each benchmark is a folder, `benchmarks/<name>/`: its script `run.py`, its page `README.md` and its
 `results/`; past code measured on purpose is kept in `benchmarks/experiments/`. A benchmark prints
 its table and writes OUT.md and OUT.json side by side; the JSON carries its provenance: the commit,
-the command, the date, a digest of the code it measures and one of the benchmark script itself, each
+the command, the date, how long the run took, a digest of the code it measures and one of the benchmark script itself, each
 byte for byte and as logic (Python as its syntax tree without docstrings, `logic_digest`), so that
 comments, docstrings and layout do not make a result stale. The
 figures in the README, the results book (`docs/results.md`) and the benchmarks' pages are
@@ -29,9 +29,12 @@ import re
 import shlex
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import ModuleType
+
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
@@ -64,6 +67,7 @@ class Provenance:
     command_as_run: str = ""
     logic_digest: str = ""  # of the measured code as logic ("": compare bytes only, older results)
     script_logic_digest: str = ""
+    seconds: int = 0  # how long the run took, from its process's start to its files (0: not recorded, older results)
 
     @classmethod
     def capture(cls, measures: tuple[str, ...] = SERVER_CODE) -> Provenance:
@@ -118,14 +122,15 @@ def save_report(
     provenance: Provenance | None = None,
 ) -> None:
     """Print `table`; write it as OUT.md under `title`, and `data` (with the run's arguments and
-    provenance, captured now unless given) as OUT.json."""
+    provenance, captured now unless given, and how long the run has taken) as OUT.json."""
     print(table)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(f"# {title}\n\n{table}\n")
     # Arguments as text, files by name only (a full path would name this machine's folders).
     given = vars(args).items() if args is not None else ()
     settings = {"args": {k: _text(v) for k, v in given if k not in ("out", "provenance")}} if given else {}
-    record = {"provenance": asdict(provenance or Provenance.capture()), **settings, **data}
+    took = round(time.time() - psutil.Process().create_time())
+    record = {"provenance": asdict(replace(provenance or Provenance.capture(), seconds=took)), **settings, **data}
     out.with_suffix(".json").write_text(json.dumps(record, indent=2))
 
 
@@ -263,7 +268,8 @@ def readme_block(name: str, folders: list[Path], sections: tuple[str, ...] = (),
     file = f"{name}.md" if sections else f"{name}.json"
     source = f"[`{file}`]({_link(path.with_name(file), document_dir)}){', in part' if sections else ''}"
     state = " (with uncommitted changes)" if prov.uncommitted else ""
-    lines = [f"*{source}: measured at {prov.commit}{state} on {prov.date} by `{prov.command}`.*"]
+    took = f" in {_duration(prov.seconds)}" if prov.seconds else ""
+    lines = [f"*{source}: measured at {prov.commit}{state} on {prov.date}{took} by `{prov.command}`.*"]
     if prov.historical:
         lines.append(
             f"*Historical: {prov.historical} `{name}.json` is stale for today's code by design: the code it "
@@ -300,7 +306,8 @@ def results_list(folder: Path, document_dir: Path) -> str:
     for path in sorted(folder.glob("*.json")):
         prov = Provenance.of(json.loads(path.read_text()))
         state = "stale" if prov.is_stale() else "current"
-        lines.append(f"- [`{path.name}`]({_link(path, document_dir)}), {prov.commit}, {state}: `{prov.command}`")
+        took = f", {_duration(prov.seconds)}" if prov.seconds else ""
+        lines.append(f"- [`{path.name}`]({_link(path, document_dir)}), {prov.commit}, {state}{took}: `{prov.command}`")
     return "\n".join(lines or ["- none yet"]) + "\n"
 
 
@@ -309,18 +316,32 @@ def _link(path: Path, document_dir: Path) -> str:
 
 
 def stale_index(folders: list[Path], document_dir: Path) -> str:
-    """Every result whose measured code or script changed since it ran, and every historical one."""
-    stale, historical = [], []
+    """Every result whose measured code or script changed since it ran (with how long its last run took,
+    where recorded, and what re-running them all takes), and every historical one."""
+    stale, historical, took = [], [], {}
     for path, prov in _results(folders):
         entry = f"[`{path.name}`]({_link(path, document_dir)}), {prov.commit}"
         if prov.historical:
             historical.append(f"- {entry}: {prov.historical}")
         elif prov.is_stale():
             changed = ", ".join(_measured(prov, changed=True))
-            stale.append(f"- {entry}: changed since: {changed}; re-run `{prov.command}`")
+            last = f", last run {_duration(prov.seconds)}" if prov.seconds else ""
+            stale.append(f"- {entry}{last}: changed since: {changed}; re-run `{prov.command}`")
+            took[prov.command] = max(took.get(prov.command, 0), prov.seconds)  # one command may make several
     lines = ["**Stale** (re-run before reading their figures as today's):", "", *(stale or ["- none"])]
+    if timed := [seconds for seconds in took.values() if seconds]:
+        untimed = len(took) - len(timed)
+        more = f", and more: {untimed} of the {len(took)} commands never recorded theirs" if untimed else ""
+        lines += ["", f"Re-running them takes about {_duration(sum(timed))} by their last runs{more}."]
     lines += ["", "**Historical** (past code measured on purpose, never re-run):", "", *(historical or ["- none"])]
     return "\n".join(lines) + "\n"
+
+
+def _duration(seconds: int) -> str:
+    minutes = round(seconds / 60)
+    if minutes < 60:
+        return f"{minutes} min" if minutes else "under a minute"
+    return f"{minutes // 60} h {minutes % 60:02d}"
 
 
 def stale_commands(folders: list[Path]) -> list[str]:

@@ -20,6 +20,7 @@ from benchmarks.report import (
     result_file,
     result_folders,
     results_list,
+    save_report,
     stale_commands,
     stale_index,
 )
@@ -182,6 +183,26 @@ def test_a_result_goes_stale_when_its_script_changes_and_the_index_lists_it(tmp_
     assert "Stale" in readme_block("run", [results]) and ", stale:" in results_list(results, tmp_path)
     (results / "run_b.json").write_text((results / "run.json").read_text())  # made by the same command
     assert stale_commands([results]) == [prov.command]
+
+
+def test_a_result_records_how_long_its_run_took_and_the_index_adds_up_the_stale_ones(tmp_path, monkeypatch):
+    monkeypatch.setattr("benchmarks.report.time.time", lambda: 10_000.0)
+    monkeypatch.setattr(
+        "benchmarks.report.psutil.Process", lambda: type("P", (), {"create_time": lambda self: 4_960.0})()
+    )
+    old = replace(Provenance.capture(("app",)), code_digest="0" * 16, logic_digest="0" * 16)  # stale
+    save_report(tmp_path / "slow", "Slow", "| a |", {}, provenance=old)
+    assert json.loads((tmp_path / "slow.json").read_text())["provenance"]["seconds"] == 5_040
+    assert "measured at" in readme_block("slow", [tmp_path]) and " in 1 h 24 by `" in readme_block("slow", [tmp_path])
+    assert ", stale, 1 h 24: `" in results_list(tmp_path, tmp_path)
+    index = stale_index([tmp_path], tmp_path)
+    assert "slow.json`](slow.json), " + old.commit + ", last run 1 h 24:" in index
+    assert "Re-running them takes about 1 h 24 by their last runs." in index
+    (tmp_path / "untimed.md").write_text("# Untimed\n")
+    (tmp_path / "untimed.json").write_text(json.dumps({"provenance": asdict(replace(old, command="python other.py"))}))
+    index = stale_index([tmp_path], tmp_path)
+    assert "about 1 h 24 by their last runs, and more: 1 of the 2 commands never recorded theirs." in index
+    assert ", stale: `python other.py`" in results_list(tmp_path, tmp_path)  # nothing said of a time not recorded
 
 
 def _anchors(path):
