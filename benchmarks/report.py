@@ -3,9 +3,9 @@
 Each benchmark is a folder, `benchmarks/<name>/`: its script `run.py`, its page `README.md` and its
 `results/`; past code measured on purpose is kept in `benchmarks/experiments/`. A benchmark prints
 its table and writes OUT.md and OUT.json side by side; the JSON carries its provenance: the commit,
-the command, the date, how long the run took, a digest of the code it measures and one of the benchmark script itself, each
-byte for byte and as logic (Python as its syntax tree without docstrings, `logic_digest`), so that
-comments, docstrings and layout do not make a result stale. The
+the command, the date, how long the run took, a digest of the code it measures and one of the
+benchmark script itself, each byte for byte and as logic (Python as its syntax tree without
+docstrings, `logic_digest`), so that comments, docstrings and layout do not make a result stale. The
 figures in the README, the results book (`docs/results.md`) and the benchmarks' pages are
 generated from those files (`python -m benchmarks.report`, `make docs`) between markers
 `<!-- results NAME -->` and `<!-- /results -->` (`<!-- results NAME: Heading | Heading -->` shows
