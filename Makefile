@@ -208,8 +208,8 @@ bench-quality-prefix: model bench-peers
 # The GPU check runs on a machine with one NVIDIA GPU and no network, on that machine's own python3 and
 # torch (pyproject.toml, [tool.conf-kv.gpu-machine]). Here, where PyPI is reachable: `make gpu-bundle`
 # gathers what it lacks into .gpu-bundle/ (wheels, random-weight model folders; about 11 MiB). There, with
-# .gpu-bundle/ brought along: `make gpu-check` (or `bash scripts/gpu_check.sh`), under 7 minutes: the CUDA
-# tests, then the decode step and fixed-budget serving on a Llama-3.1-8B-shaped model in bf16; results in
+# .gpu-bundle/ brought along: `make gpu-check` (or `bash scripts/gpu_check.sh`), under 8 minutes: the CUDA
+# tests, then the decode step, fixed-budget serving and asynchronous compression on a Llama-3.1-8B-shaped model in bf16; results in
 # benchmarks/gpu_check/results/. `make gpu-dry-run`: the same script with tiny shapes on this CPU (the tests run it).
 gpu-bundle: model
 	$(PY) -m scripts.gpu_bundle build
