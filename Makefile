@@ -65,13 +65,15 @@ lint: $(STAMP)
 # The value predictor: traces from the model (uncompressed), then training (not in CI: minutes to hours).
 TRACES ?= traces
 PREDICTOR ?= confkv/compress/predictor/weights/SmolLM2-135M-Instruct.safetensors
+# MODEL_PATH=DIR: another model's folder, for its traces and for the fingerprint its weights carry.
+MODEL_ARG = $(if $(MODEL_PATH),--model-path $(MODEL_PATH))
 collect-traces: model
-	$(PY) benchmarks/predictor/collect_traces.py --out $(TRACES) $(ARGS)
+	$(PY) benchmarks/predictor/collect_traces.py --out $(TRACES) $(MODEL_ARG) $(ARGS)
 
 train-predictor: model
-	test -d $(TRACES) || $(PY) benchmarks/predictor/collect_traces.py --out $(TRACES)
-	$(PY) -m confkv.compress.predictor.train --traces $(TRACES) --profile small --out $(PREDICTOR)
-	$(PY) -m confkv.compress.predictor.calibrate --traces $(TRACES) --predictor $(PREDICTOR)
+	test -d $(TRACES) || $(PY) benchmarks/predictor/collect_traces.py --out $(TRACES) $(MODEL_ARG)
+	$(PY) -m confkv.compress.predictor.train --traces $(TRACES) --profile small --out $(PREDICTOR) $(MODEL_ARG)
+	$(PY) -m confkv.compress.predictor.calibrate --traces $(TRACES) --predictor $(PREDICTOR) $(MODEL_ARG)
 
 load-test: model
 	$(PY) load_tests/run.py $(ARGS)
@@ -210,7 +212,7 @@ bench-quality-prefix: model bench-peers
 # gathers what it lacks into .gpu-bundle/ (wheels, random-weight model folders; about 11 MiB). There, with
 # .gpu-bundle/ brought along: `make gpu-check` (or `bash scripts/gpu_check.sh`), under 8 minutes: the CUDA
 # tests, then the decode step, fixed-budget serving and asynchronous compression on a Llama-3.1-8B-shaped model in bf16; results in
-# benchmarks/gpu_check/results/. `make gpu-dry-run`: the same script with tiny shapes on this CPU (the tests run it).
+# benchmarks/gpu_check/results/gpu/. `make gpu-dry-run`: the same script with tiny shapes on this CPU (the tests run it).
 gpu-bundle: model
 	$(PY) -m scripts.gpu_bundle build
 

@@ -19,7 +19,7 @@ Its parts, in order of what matters most, each under a time limit:
    (`benchmarks/async_compression/run.py`), 16 and 64 sequences of 1024 tokens on the same model:
    decode throughput, and compression's share of the step on the critical path and beside it.
 
-Each part writes its own results under benchmarks/gpu_check/results/; this script adds gpu_check.{json,md}
+Each part writes its own results under benchmarks/gpu_check/results/gpu/; this script adds gpu_check.{json,md}
 (the GPU, torch, triton and transformers, each part's status and time, the figures) and reports two
 targets, met or not, never asserted:
 

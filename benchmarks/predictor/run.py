@@ -11,7 +11,8 @@
    ten bins, and the expected calibration error; and what the default thresholds would keep.
 3. Cost: decode steps of 16 x 2k-token sequences, compression off, dynamic by attention, dynamic
    with the predictor: the compressor's share of each step. At rate 0.75 by default: at
-   0.6 the budget holds every entry at int8, so nothing is scored and the predictor never runs.
+   0.6 the budget holds every entry at int8, so the predictor runs only to judge the request
+   (every `prediction_refresh` compressions) and ranks nothing.
 
 End-to-end quality (dynamic with and without the predictor, and the baselines) is
 `benchmarks/quality/run.py`, whose `dynamic` rows use the shipped predictor and `dynamic, attention
