@@ -211,8 +211,9 @@ bench-quality-prefix: model bench-peers
 # torch (pyproject.toml, [tool.conf-kv.gpu-machine]). Here, where PyPI is reachable: `make gpu-bundle`
 # gathers what it lacks into .gpu-bundle/ (wheels, random-weight model folders; about 11 MiB). There, with
 # .gpu-bundle/ brought along: `make gpu-check` (or `bash scripts/gpu_check.sh`), under 8 minutes: the CUDA
-# tests, then the decode step, fixed-budget serving and asynchronous compression on a Llama-3.1-8B-shaped model in bf16; results in
-# benchmarks/gpu_check/results/gpu/. `make gpu-dry-run`: the same script with tiny shapes on this CPU (the tests run it).
+# tests, then the decode step, fixed-budget serving and asynchronous compression on a Llama-3.1-8B-shaped
+# model in bf16; results in benchmarks/gpu_check/results/gpu/. `make gpu-dry-run`: the same script with tiny
+# shapes on this CPU (the tests run it).
 gpu-bundle: model
 	$(PY) -m scripts.gpu_bundle build
 

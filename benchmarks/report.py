@@ -268,8 +268,7 @@ def readme_block(name: str, folders: list[Path], sections: tuple[str, ...] = (),
     file = f"{name}.md" if sections else f"{name}.json"
     source = f"[`{file}`]({_link(path.with_name(file), document_dir)}){', in part' if sections else ''}"
     state = " (with uncommitted changes)" if prov.uncommitted else ""
-    took = f" in {_duration(prov.seconds)}" if prov.seconds else ""
-    lines = [f"*{source}: measured at {prov.commit}{state} on {prov.date}{took} by `{prov.command}`.*"]
+    lines = [f"*{source}: measured at {prov.commit}{state} on {prov.date}{_took(prov, ' in ')} by `{prov.command}`.*"]
     if prov.historical:
         lines.append(
             f"*Historical: {prov.historical} `{name}.json` is stale for today's code by design: the code it "
@@ -306,7 +305,7 @@ def results_list(folder: Path, document_dir: Path) -> str:
     for path in sorted(folder.glob("*.json")):
         prov = Provenance.of(json.loads(path.read_text()))
         state = "stale" if prov.is_stale() else "current"
-        took = f", {_duration(prov.seconds)}" if prov.seconds else ""
+        took = _took(prov, ", ")
         lines.append(f"- [`{path.name}`]({_link(path, document_dir)}), {prov.commit}, {state}{took}: `{prov.command}`")
     return "\n".join(lines or ["- none yet"]) + "\n"
 
@@ -325,8 +324,7 @@ def stale_index(folders: list[Path], document_dir: Path) -> str:
             historical.append(f"- {entry}: {prov.historical}")
         elif prov.is_stale():
             changed = ", ".join(_measured(prov, changed=True))
-            last = f", last run {_duration(prov.seconds)}" if prov.seconds else ""
-            stale.append(f"- {entry}{last}: changed since: {changed}; re-run `{prov.command}`")
+            stale.append(f"- {entry}{_took(prov, ', last run ')}: changed since: {changed}; re-run `{prov.command}`")
             took[prov.command] = max(took.get(prov.command, 0), prov.seconds)  # one command may make several
     lines = ["**Stale** (re-run before reading their figures as today's):", "", *(stale or ["- none"])]
     if timed := [seconds for seconds in took.values() if seconds]:
@@ -335,6 +333,11 @@ def stale_index(folders: list[Path], document_dir: Path) -> str:
         lines += ["", f"Re-running them takes about {_duration(sum(timed))} by their last runs{more}."]
     lines += ["", "**Historical** (past code measured on purpose, never re-run):", "", *(historical or ["- none"])]
     return "\n".join(lines) + "\n"
+
+
+def _took(prov: Provenance, words: str) -> str:
+    """`words` and how long the result's run took, or nothing where it was not recorded."""
+    return f"{words}{_duration(prov.seconds)}" if prov.seconds else ""
 
 
 def _duration(seconds: int) -> str:

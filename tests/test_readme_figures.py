@@ -6,6 +6,7 @@ import re
 import subprocess
 from dataclasses import asdict, replace
 from datetime import date
+from types import SimpleNamespace
 
 import pytest
 
@@ -187,13 +188,12 @@ def test_a_result_goes_stale_when_its_script_changes_and_the_index_lists_it(tmp_
 
 def test_a_result_records_how_long_its_run_took_and_the_index_adds_up_the_stale_ones(tmp_path, monkeypatch):
     monkeypatch.setattr("benchmarks.report.time.time", lambda: 10_000.0)
-    monkeypatch.setattr(
-        "benchmarks.report.psutil.Process", lambda: type("P", (), {"create_time": lambda self: 4_960.0})()
-    )
+    monkeypatch.setattr("benchmarks.report.psutil.Process", lambda: SimpleNamespace(create_time=lambda: 4_960.0))
     old = replace(Provenance.capture(("app",)), code_digest="0" * 16, logic_digest="0" * 16)  # stale
     save_report(tmp_path / "slow", "Slow", "| a |", {}, provenance=old)
     assert json.loads((tmp_path / "slow.json").read_text())["provenance"]["seconds"] == 5_040
-    assert "measured at" in readme_block("slow", [tmp_path]) and " in 1 h 24 by `" in readme_block("slow", [tmp_path])
+    block = readme_block("slow", [tmp_path])
+    assert "measured at" in block and " in 1 h 24 by `" in block
     assert ", stale, 1 h 24: `" in results_list(tmp_path, tmp_path)
     index = stale_index([tmp_path], tmp_path)
     assert "slow.json`](slow.json), " + old.commit + ", last run 1 h 24:" in index
