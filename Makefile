@@ -68,10 +68,10 @@ PREDICTOR ?= confkv/compress/predictor/weights/SmolLM2-135M-Instruct.safetensors
 # MODEL_PATH=DIR: another model's folder, for its traces and for the fingerprint its weights carry.
 MODEL_ARG = $(if $(MODEL_PATH),--model-path $(MODEL_PATH))
 collect-traces: model
-	$(PY) benchmarks/predictor/collect_traces.py --out $(TRACES) $(MODEL_ARG) $(ARGS)
+	$(PY) -m confkv.compress.predictor.collect --out $(TRACES) $(MODEL_ARG) $(ARGS)
 
 train-predictor: model
-	test -d $(TRACES) || $(PY) benchmarks/predictor/collect_traces.py --out $(TRACES) $(MODEL_ARG)
+	test -d $(TRACES) || $(PY) -m confkv.compress.predictor.collect --out $(TRACES) $(MODEL_ARG)
 	$(PY) -m confkv.compress.predictor.train --traces $(TRACES) --profile small --out $(PREDICTOR) $(MODEL_ARG)
 	$(PY) -m confkv.compress.predictor.calibrate --traces $(TRACES) --predictor $(PREDICTOR) $(MODEL_ARG)
 

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from benchmarks.corpus import text_of_tokens
 from confkv.compress.config import CompressionConfig, resolve
 from confkv.compress.predictor.online import load_future_value, predictor_path
 from confkv.engine.llm_engine import EngineConfig, LLMEngine
 from confkv.engine.sequence import SamplingParams
 from confkv.kv.kv_layout import BLOCK_SIZE
+from confkv.models.corpus import text_of_tokens
 from confkv.models.loader import KVShape, load_model
 
 if TYPE_CHECKING:  # names for the annotations only: decode_step.py runs this on older revisions' code too

@@ -1,4 +1,4 @@
-"""Quality task set, generated from text that ships with Python (see corpus.py); nothing is downloaded.
+"""Quality task set, generated from text that ships with Python (`confkv.models.corpus`); nothing is downloaded.
 
 - Needle in natural text: a fact ("The secret password for the <place> is <word>-<number>.") hidden at
   a chosen depth in 1-2k tokens of prose, asked for at the end through the chat template.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from benchmarks.corpus import paragraphs
+from confkv.models.corpus import paragraphs
 
 PLACES = (
     "archive",

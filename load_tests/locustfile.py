@@ -19,7 +19,7 @@ from locust import HttpUser, between, task
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.corpus import paragraphs  # noqa: E402
+from confkv.models.corpus import paragraphs  # noqa: E402
 
 RATES = (0.5, 0.6, 0.75, 0.875)
 POLICIES = ("dynamic", "h2o", "snapkv", "tova")

@@ -11,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
@@ -19,6 +20,7 @@ from confkv.compress.config import CompressionConfig
 from confkv.engine.llm_engine import EngineConfig, LLMEngine
 from confkv.engine.outputs import RequestOutput
 from confkv.engine.sequence import SamplingParams
+from confkv.kv import kernels
 from confkv.kv.arena import Arena
 from confkv.kv.attention import Segment
 from confkv.kv.block_pool import BlockPool, Codec
@@ -227,14 +229,80 @@ FORMATS = [f for f in KEY_STORAGE_FORMATS if f not in KEY_FORMATS]  # of keys an
 KEY_ONLY_VALUE_FORMATS = [f for f in FORMAT_CODES if f not in KEY_FORMATS]
 
 
+def storage(fmt: str) -> torch.dtype | str:
+    """A format's name as `Codec` takes it."""
+    return fmt if fmt.startswith("int") else getattr(torch, fmt)
+
+
+def block_pool(fmt: str, kv_heads: int, head_dim: int, blocks: int, writer: str) -> BlockPool:
+    """An empty pool of `blocks` blocks of 4 entries whose writes take `writer`'s path: "torch", "c++"
+    (the CPU extension) or "triton" (interpreted on CPU)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "triton_enabled", lambda device: writer == "triton")
+        if writer == "torch":
+            patch.setenv("CONFKV_DISABLE_KERNEL", "1")
+        codec = Codec(storage(fmt), head_dim)
+        block_bytes = kv_heads * 4 * codec.vector_bytes
+        pool = BlockPool(codec, kv_heads, block_size=4, arena=Arena(blocks * block_bytes, block_bytes))
+    pool.allocate(blocks)
+    return pool
+
+
+def written_both_ways(writer: str, x: torch.Tensor, fmt: str, seed: int) -> tuple[BlockPool, BlockPool]:
+    """x [n, kv_heads, head_dim] written at the same random rows of two fresh pools, one on the torch
+    path and one on `writer`'s (see `block_pool`): (torch's, writer's)."""
+    n, kv_heads, head_dim = x.shape
+    reference, pool = (block_pool(fmt, kv_heads, head_dim, 4, w) for w in ("torch", writer))
+    rows = torch.randperm(16, generator=torch.Generator().manual_seed(seed))[:n]
+    reference.write(rows, x)
+    pool.write(rows, x)
+    return reference, pool
+
+
+def same_bytes(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return torch.equal(a.contiguous().flatten().view(torch.uint8), b.contiguous().flatten().view(torch.uint8))
+
+
+@st.composite
+def appends(draw: st.DrawFn, formats: list[str] = FORMATS) -> tuple[str, torch.Tensor]:
+    """A storage format of `formats` and new entries x [n, kv_heads, head_dim] in a model dtype, some of
+    them where rounding ties or degenerate ranges are common."""
+    fmt = draw(st.sampled_from(formats))
+    n, kv_heads = draw(st.integers(1, 12)), draw(st.integers(1, 3))
+    head_dim = draw(st.sampled_from([8, 16, 64] if fmt == "int2" else [4, 8, 16, 64]))  # int2 rows: 16-bit aligned
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    kind = draw(st.sampled_from(["random", "ties", "constant", "signed zeros"]))
+    shape = (n, kv_heads, head_dim)
+    if kind == "random":
+        x = torch.randn(shape, generator=gen) * torch.rand(n, kv_heads, 1, generator=gen).mul(4)
+        x = x + torch.randn(n, kv_heads, 1, generator=gen)
+    elif kind == "ties":
+        # Halves on a grid whose int8 scale (range 127) or int4 scale (range 0..15) is exactly 1.
+        if fmt == "int4":
+            x = torch.randint(0, 31, shape, generator=gen) / 2.0
+            x[..., 0], x[..., 1] = 0.0, 15.0
+        else:
+            x = torch.randint(-254, 255, shape, generator=gen) / 2.0
+            x[..., 0] = 127.0
+    elif kind == "constant":
+        x = torch.randn(n, kv_heads, 1, generator=gen).expand(shape) * torch.randint(0, 2, (n, 1, 1), generator=gen)
+    else:  # 0.0 and -0.0 mixed: which one a minimum keeps depends on the order it reduces in
+        x = torch.zeros(shape) * torch.randn(shape, generator=gen)
+    x = x.to(draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])))
+    if draw(st.booleans()):
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)  # strided, as the KV store's entries are
+    return fmt, x
+
+
 def make_pool(fmt: str, num_blocks: int, kv_heads: int, block_size: int, head_dim: int, gen: torch.Generator):
     """A pool whose codes and parameters come from quantising random vectors, as the KV store writes them."""
     x = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
     # Per-vector offsets and magnitudes, so int4 minima and scales vary.
     x = x * torch.rand(num_blocks, block_size, kv_heads, 1, generator=gen).mul(2).add(0.1)
     x = x + torch.randn(num_blocks, block_size, kv_heads, 1, generator=gen) * 0.5
-    storage = getattr(torch, fmt) if fmt in ("float32", "float16", "bfloat16") else fmt
-    codec = Codec(storage, head_dim, block_size)
+    codec = Codec(storage(fmt), head_dim, block_size)
     block_bytes = kv_heads * block_size * codec.vector_bytes
     pool = BlockPool(codec, kv_heads, block_size, Arena(num_blocks * block_bytes, block_bytes))
     blocks = torch.tensor(pool.allocate(num_blocks))

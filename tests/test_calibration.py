@@ -130,10 +130,10 @@ def test_the_default_model_ships_a_calibration_for_both_sources(default_model):
 def test_dynamics_thresholds_decide_its_memory_on_the_default_model(default_model, tokenizer):
     """With the shipped predictor and calibration, as shipped its thresholds decide: stricter thresholds
     hold fewer bytes, all under the ceiling; turned off, the rate alone decides."""
-    from benchmarks.corpus import paragraphs
     from confkv.compress.config import CompressionConfig, resolve
     from confkv.compress.predictor.online import load_future_value
     from confkv.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
+    from confkv.models.corpus import paragraphs
     from tests.helpers import greedy
 
     config = CompressionConfig.load()

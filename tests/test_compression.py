@@ -11,9 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.inspect_render.run import tiers_by_position
 from confkv.compress.config import CompressionConfig, resolve
-from confkv.compress.history import FULL, KEY_ONLY
+from confkv.compress.history import FULL, KEY_ONLY, tiers_by_position
 from confkv.compress.scoring import POLICIES, LayerEntries, ScorePolicy
 from confkv.compress.tiers import plan_tiers
 from confkv.engine.llm_engine import run_to_completion

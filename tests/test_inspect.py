@@ -11,9 +11,8 @@ from fastapi.testclient import TestClient
 from hypothesis import given
 from hypothesis import strategies as st
 
-from benchmarks.inspect_render.run import tier_counts, tiers_by_position
 from confkv.compress.config import resolve
-from confkv.compress.history import FULL, KEY_ONLY, TierHistory, _runs
+from confkv.compress.history import FULL, KEY_ONLY, TierHistory, tier_counts, tier_runs, tiers_by_position
 from confkv.engine.inspection import InspectionRecord, InspectionStore
 from confkv.engine.llm_engine import run_to_completion
 from confkv.server.api import create_app
@@ -23,7 +22,7 @@ from tests.helpers import greedy, make_engine, tiny_model
 
 @given(st.lists(st.integers(0, 2), max_size=200))
 def test_runs_round_trip(tiers):
-    runs = _runs(np.array(tiers, dtype=np.int8)).tolist()
+    runs = tier_runs(np.array(tiers, dtype=np.int8)).tolist()
     assert tiers_by_position(runs).tolist() == tiers
     assert all(a != b for a, b in zip(runs[0:-2:2], runs[2::2], strict=False))  # maximal runs
 

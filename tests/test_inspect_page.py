@@ -22,10 +22,9 @@ from benchmarks.inspect_render.run import (
     launch_chromium,
     open_page_from_disk,
     synthetic_record,
-    tier_counts,
-    tiers_by_position,
 )
 from benchmarks.report import BENCHMARKS
+from confkv.compress.history import tier_counts, tiers_by_position
 
 SAVE_FIGURES = os.environ.get("CONFKV_SAVE_INSPECT_FIGURES") == "1"
 TIER_NAMES = {2: "FULL", 1: "KEY_ONLY", 0: "dropped"}

@@ -10,8 +10,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from confkv.kv import kernels
+from confkv.kv.block_pool import BlockPool
 from confkv.kv.paged_attention import (
     DecodeBatch,
     DecodeResult,
@@ -19,7 +21,17 @@ from confkv.kv.paged_attention import (
     decode_attention_reference,
     kernel_arguments,
 )
-from tests.helpers import INCONSISTENT, assert_matches, batches, small_batch
+from tests.helpers import (
+    INCONSISTENT,
+    KEY_ONLY_VALUE_FORMATS,
+    appends,
+    assert_matches,
+    batches,
+    block_pool,
+    same_bytes,
+    small_batch,
+    written_both_ways,
+)
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler to build the kernel")
 
@@ -151,3 +163,46 @@ def test_decode_attention_uses_the_kernel_and_falls_back_when_disabled(kernel, m
     for a, b in zip(vars(fallback).values(), vars(expected).values(), strict=True):
         assert torch.equal(a, b)
     assert_matches(with_kernel, fallback)
+
+
+def writers(fmt: str, kv_heads: int, head_dim: int, blocks: int) -> tuple[BlockPool, BlockPool]:
+    """Two empty pools: one writing on the torch path, one through the extension's `encode_rows`."""
+    made = block_pool(fmt, kv_heads, head_dim, blocks, "torch"), block_pool(fmt, kv_heads, head_dim, blocks, "c++")
+    assert made[0]._kernel is None and made[1]._kernel is kernels.load_kernel() is not None
+    return made
+
+
+# A constant vector's int4 scale rounds to 0 in float16: its codes divide by zero (0 / 0 included), as
+# torch's do.
+@needs_compiler
+@pytest.mark.filterwarnings("ignore:.* encountered in divide:RuntimeWarning")
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=appends(KEY_ONLY_VALUE_FORMATS), seed=st.integers(0, 2**31))
+def test_kernel_writes_the_bytes_of_the_torch_path(kernel, case: tuple[str, torch.Tensor], seed: int) -> None:
+    fmt, x = case
+    reference, written = written_both_ways("c++", x, fmt, seed)
+    assert written._kernel is kernel and same_bytes(written.data, reference.data)
+
+
+@needs_compiler
+def test_kernel_writes_round_half_to_even_and_spread_over_threads(kernel) -> None:
+    int8 = writers("int8", 1, 8, blocks=1)[1]
+    int8.write(torch.tensor([0]), torch.tensor([[[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5]]]))
+    assert int8.data[0, 0, 0, :8].view(torch.int8).tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
+    # Enough vectors to be split among threads: the bytes do not depend on how.
+    x = torch.randn(64, 3, 64)
+    reference, written = writers("int4", 3, 64, blocks=16)
+    reference.write(torch.arange(64), x)
+    with threads(2):
+        written.write(torch.arange(64), x)
+    assert same_bytes(written.data, reference.data)
+
+
+@needs_compiler
+def test_kernel_writes_refuse_bad_rows_and_block_formats(kernel) -> None:
+    pool = writers("int8", 2, 8, blocks=1)[1]
+    with pytest.raises(RuntimeError, match="row 4 lies outside the pool's 4 rows"):
+        pool.write(torch.tensor([4]), torch.randn(1, 2, 8))
+    int4c = block_pool("int4c", 2, 8, 1, "c++")
+    with pytest.raises(RuntimeError, match="int4c keys are written by whole blocks"):
+        int4c.write(torch.tensor([0]), torch.randn(1, 2, 8))

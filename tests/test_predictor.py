@@ -61,8 +61,8 @@ def test_saved_weights_load_with_identical_predictions_and_refuse_another_model(
 def test_traces_follow_the_serving_timeline_and_targets_sum_the_future(tokenizer):
     import random
 
-    from benchmarks.predictor.collect_traces import record, samples
     from confkv.compress.config import CompressionConfig
+    from confkv.compress.predictor.collect import record, samples
     from confkv.compress.predictor.features import scaled_attention, target
     from confkv.engine.llm_engine import EngineConfig, LLMEngine
 

@@ -22,8 +22,7 @@ if torch.cuda.is_available():  # conftest interprets Triton only without a GPU
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from confkv.kv import kernels, triton_attention, triton_blocks  # noqa: E402
-from confkv.kv.arena import Arena  # noqa: E402
-from confkv.kv.block_pool import BlockPool, Codec  # noqa: E402
+from confkv.kv.block_pool import BlockPool  # noqa: E402
 from confkv.kv.block_tables import Keep  # noqa: E402
 from confkv.kv.kv_store import KVStore  # noqa: E402
 from confkv.kv.paged_attention import DecodeBatch, decode_attention, decode_attention_reference  # noqa: E402
@@ -31,10 +30,14 @@ from tests.helpers import (  # noqa: E402
     FORMATS,
     INCONSISTENT,
     KEY_ONLY_VALUE_FORMATS,
+    appends,
     assert_matches,
     batches,
+    block_pool,
     fill_store,
+    same_bytes,
     small_batch,
+    written_both_ways,
 )
 
 KERNELS = [
@@ -169,57 +172,11 @@ def test_decode_attention_dispatches_to_triton_unless_disabled(monkeypatch) -> N
         assert torch.equal(a, b)
 
 
-def storage(fmt: str) -> torch.dtype | str:
-    return fmt if fmt.startswith("int") else getattr(torch, fmt)
-
-
 def pools(fmt: str, kv_heads: int, head_dim: int, blocks: int) -> tuple[BlockPool, BlockPool]:
     """Two empty pools of `blocks` blocks: one on the torch path, one on the Triton kernels."""
-    made = []
-    for use_triton in (False, True):
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(kernels, "triton_enabled", lambda device, use=use_triton: use)
-            codec = Codec(storage(fmt), head_dim)
-            block_bytes = kv_heads * 4 * codec.vector_bytes
-            pool = BlockPool(codec, kv_heads, block_size=4, arena=Arena(blocks * block_bytes, block_bytes))
-        pool.allocate(blocks)
-        made.append(pool)
+    made = block_pool(fmt, kv_heads, head_dim, blocks, "torch"), block_pool(fmt, kv_heads, head_dim, blocks, "triton")
     assert made[0]._triton is None and made[1]._triton is triton_blocks
-    return made[0], made[1]
-
-
-def same_bytes(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    return torch.equal(a.contiguous().flatten().view(torch.uint8), b.contiguous().flatten().view(torch.uint8))
-
-
-@st.composite
-def appends(draw: st.DrawFn) -> tuple[str, torch.Tensor]:
-    """A storage format and new entries x [n, kv_heads, head_dim] in a model dtype, some of them where
-    rounding ties or degenerate ranges are common."""
-    fmt = draw(st.sampled_from(FORMATS))
-    n, kv_heads, head_dim = draw(st.integers(1, 12)), draw(st.integers(1, 3)), draw(st.sampled_from([4, 8, 16, 64]))
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
-    kind = draw(st.sampled_from(["random", "ties", "constant"]))
-    shape = (n, kv_heads, head_dim)
-    if kind == "random":
-        x = torch.randn(shape, generator=gen) * torch.rand(n, kv_heads, 1, generator=gen).mul(4)
-        x = x + torch.randn(n, kv_heads, 1, generator=gen)
-    elif kind == "ties":
-        # Halves on a grid whose int8 scale (range 127) or int4 scale (range 0..15) is exactly 1.
-        if fmt == "int4":
-            x = torch.randint(0, 31, shape, generator=gen) / 2.0
-            x[..., 0], x[..., 1] = 0.0, 15.0
-        else:
-            x = torch.randint(-254, 255, shape, generator=gen) / 2.0
-            x[..., 0] = 127.0
-    else:
-        x = torch.randn(n, kv_heads, 1, generator=gen).expand(shape) * torch.randint(0, 2, (n, 1, 1), generator=gen)
-    x = x.to(draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])))
-    if draw(st.booleans()):
-        x = x.transpose(0, 1).contiguous().transpose(0, 1)  # strided, as the KV store's entries are
-    return fmt, x
+    return made
 
 
 # A constant vector's int4 scale rounds to 0 in float16: its codes divide by zero (0 / 0 included), as
@@ -229,12 +186,8 @@ def appends(draw: st.DrawFn) -> tuple[str, torch.Tensor]:
 @given(case=appends(), seed=st.integers(0, 2**31))
 def test_appends_are_bit_exact(case: tuple[str, torch.Tensor], seed: int) -> None:
     fmt, x = case
-    n, kv_heads, head_dim = x.shape
-    reference, kernel = pools(fmt, kv_heads, head_dim, blocks=4)
-    rows = torch.randperm(16, generator=torch.Generator().manual_seed(seed))[:n]
-    reference.write(rows, x)
-    kernel.write(rows, x)
-    assert same_bytes(kernel.data, reference.data)
+    reference, kernel = written_both_ways("triton", x, fmt, seed)
+    assert kernel._triton is triton_blocks and same_bytes(kernel.data, reference.data)
 
 
 def test_int8_and_int4_round_half_to_even() -> None:
@@ -268,6 +221,8 @@ def test_compaction_and_sharing_through_the_kernels_match_the_torch_path() -> No
     def run(use_triton: bool) -> KVStore:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(kernels, "triton_enabled", lambda device: use_triton)
+            if not use_triton:
+                patch.setenv("CONFKV_DISABLE_KERNEL", "1")  # nor the C++ writes: the torch path
             store = KVStore(num_layers=2, num_kv_heads=2, head_dim=8, max_bytes=10**7, storage="int8")
             gen = torch.Generator().manual_seed(0)
             fill_store(store, 1, 40, keys=lambda layer: torch.randn(2, 40, 8, generator=gen))

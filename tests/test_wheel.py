@@ -24,6 +24,8 @@ PACKAGE_DATA = (
     "confkv/config/server.yaml",
     "confkv/server/web/inspect/index.html",
     "confkv/kv/csrc/paged_attention.cpp",
+    "confkv/kv/csrc/block_write.cpp",
+    "confkv/kv/csrc/formats.h",
     "confkv/compress/predictor/weights/SmolLM2-135M-Instruct.safetensors",
 )
 

@@ -22,8 +22,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.corpus import text_of_tokens  # noqa: E402
 from benchmarks.report import save_report  # noqa: E402
+from confkv.models.corpus import text_of_tokens  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 from confkv.compress.config import CompressionConfig, resolve  # noqa: E402

@@ -14,7 +14,6 @@ Results: benchmarks/inspect_render/results/inspect_render.{json,md}. Needs Chrom
 from __future__ import annotations
 
 import argparse
-import base64
 import statistics
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.report import Provenance, save_report  # noqa: E402
+from confkv.compress.history import DROPPED, FULL, KEY_ONLY, LayerRecord, tier_runs  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -32,21 +32,7 @@ PAGE_DIR = ROOT / "confkv" / "server" / "web" / "inspect"
 ORIGIN = "http://inspector.invalid"  # never resolved: every request to it is answered from PAGE_DIR
 CHROMIUM = "/usr/bin/chromium"
 MEASURES = ("confkv/server/web/inspect",)
-FULL, KEY_ONLY, DROPPED = 2, 1, 0
 _TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
-
-
-def _rle(tiers: np.ndarray) -> list[int]:
-    """Tiers by position -> [tier, count, tier, count, ...]."""
-    if not len(tiers):
-        return []
-    starts = np.flatnonzero(np.diff(tiers)) + 1
-    bounds = np.concatenate([[0], starts, [len(tiers)]])
-    return [int(x) for start, end in zip(bounds[:-1], bounds[1:], strict=True) for x in (tiers[start], end - start)]
-
-
-def _halfs(values: np.ndarray) -> str:
-    return base64.b64encode(values.astype("<f2").tobytes()).decode()
 
 
 def synthetic_record(
@@ -70,14 +56,9 @@ def synthetic_record(
         layers = []
         for layer in range(num_layers):
             scored = tiers[layer, :n] != DROPPED
-            scores = np.where(scored, retention[layer, :n] * 3.0, np.nan)
-            layers.append(
-                {
-                    "tiers": _rle(tiers[layer, :n]),
-                    "scores": _halfs(scores),
-                    "retention": _halfs(np.where(scored, retention[layer, :n], np.nan)),
-                }
-            )
+            scores = np.where(scored, retention[layer, :n] * 3.0, np.nan).astype(np.float16)
+            confidence = np.where(scored, retention[layer, :n], np.nan).astype(np.float16)
+            layers.append(LayerRecord(tier_runs(tiers[layer, :n]), scores, confidence).to_json())
         compressions.append({"step": step, "num_tokens": n, "final": index == len(steps) - 1, "layers": layers})
     words = ["The", " cache", " keeps", " what", " matters", ",", " and", " drops", " the", " rest", ".", "\n"]
     return {
@@ -92,18 +73,6 @@ def synthetic_record(
         "compression_metrics": None,
         "params": {"policy": "dynamic", "compression_rate": 0.75, "kv_cache_dtype": "int8"},
     }
-
-
-def tiers_by_position(runs: list[int]) -> np.ndarray:
-    """A layer's run-length tiers [tier, count, tier, count...] as one tier per position."""
-    return np.repeat(np.array(runs[::2], dtype=np.int8), np.array(runs[1::2], dtype=np.int64))
-
-
-def tier_counts(compression: dict) -> dict[str, int]:
-    """Entries by tier in one compression of a record, summed from its runs."""
-    tiers = np.concatenate([tiers_by_position(layer["tiers"]) for layer in compression["layers"]])
-    counts = np.bincount(tiers, minlength=3)
-    return {"full": int(counts[FULL]), "key_only": int(counts[KEY_ONLY]), "dropped": int(counts[DROPPED])}
 
 
 def launch_chromium(playwright):

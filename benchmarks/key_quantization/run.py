@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import kivi  # noqa: E402
-from benchmarks.corpus import text_of_tokens  # noqa: E402
 from benchmarks.report import save_report  # noqa: E402
+from confkv.models.corpus import text_of_tokens  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 from confkv.kv.block_pool import Codec  # noqa: E402

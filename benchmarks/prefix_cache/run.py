@@ -23,8 +23,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.chat import ask  # noqa: E402
-from benchmarks.corpus import paragraphs  # noqa: E402
 from benchmarks.report import commit_of, pyplot, save_report  # noqa: E402
+from confkv.models.corpus import paragraphs  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 from confkv.compress.config import CompressionConfig, resolve  # noqa: E402

@@ -53,10 +53,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import kivi  # noqa: E402
-from benchmarks.corpus import text_of_tokens  # noqa: E402
 from benchmarks.engine import load_with_predictor  # noqa: E402
 from benchmarks.quality.plan import RunFile, Setup  # noqa: E402
 from benchmarks.report import SERVER_CODE, Provenance, pyplot, save_report  # noqa: E402
+from confkv.models.corpus import text_of_tokens  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 from benchmarks.tasks import fidelity_cases, needle_cases  # noqa: E402

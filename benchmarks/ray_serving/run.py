@@ -31,8 +31,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.corpus import paragraphs  # noqa: E402
 from benchmarks.report import Provenance, save_report  # noqa: E402
+from confkv.models.corpus import paragraphs  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 from confkv.server.settings import Settings  # noqa: E402

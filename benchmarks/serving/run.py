@@ -25,9 +25,9 @@ from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.corpus import text_of_tokens  # noqa: E402
 from benchmarks.engine import CPU, advance, decoding_engine, is_pure_decode, load_with_predictor  # noqa: E402
 from benchmarks.report import save_report  # noqa: E402
+from confkv.models.corpus import text_of_tokens  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 from confkv.compress.predictor.online import FutureValue  # noqa: E402

@@ -186,7 +186,7 @@ def prompt_bodies(
 ) -> list[dict]:
     from transformers import AutoTokenizer
 
-    from benchmarks.corpus import text_of_tokens
+    from confkv.models.corpus import text_of_tokens
 
     tokenizer = AutoTokenizer.from_pretrained(model_folder(model_path))
     bodies = []

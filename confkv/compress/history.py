@@ -76,7 +76,7 @@ class TierHistory:
             held = positions.cpu().numpy()
             tiers[held[:num_key_only]] = KEY_ONLY
             tiers[held[num_key_only:]] = FULL
-            record = LayerRecord(_runs(tiers))
+            record = LayerRecord(tier_runs(tiers))
             if layer in self._scored:
                 at, scores, retention = self._scored[layer]
                 record.scores = _by_position(at, scores, num_tokens)
@@ -94,13 +94,25 @@ class TierHistory:
         return [record.to_json() for record in self.records]
 
 
-def _runs(tiers: np.ndarray) -> np.ndarray:
-    """[tier, count, tier, count...] of consecutive equal tiers."""
+def tier_runs(tiers: np.ndarray) -> np.ndarray:
+    """Tiers by position as [tier, count, tier, count...] of equal neighbours; `tiers_by_position` undoes it."""
     if tiers.size == 0:
         return np.zeros(0, dtype=np.int32)
     starts = np.flatnonzero(np.diff(tiers, prepend=tiers[0] - 1))
     counts = np.diff(np.append(starts, tiers.size))
     return np.stack([tiers[starts].astype(np.int32), counts.astype(np.int32)], axis=1).ravel()
+
+
+def tiers_by_position(runs: list[int]) -> np.ndarray:
+    """A layer's run-length tiers [tier, count, tier, count...] (its record's `tiers`) as one tier per position."""
+    return np.repeat(np.array(runs[::2], dtype=np.int8), np.array(runs[1::2], dtype=np.int64))
+
+
+def tier_counts(compression: dict) -> dict[str, int]:
+    """Entries by tier in one compression of a record (`CompressionRecord.to_json()`), summed from its runs."""
+    tiers = np.concatenate([tiers_by_position(layer["tiers"]) for layer in compression["layers"]])
+    counts = np.bincount(tiers, minlength=len(TIER_NAMES))
+    return {name: int(counts[tier]) for tier, name in TIER_NAMES.items()}
 
 
 def _by_position(positions: np.ndarray, values: np.ndarray, num_tokens: int) -> np.ndarray:

@@ -100,19 +100,30 @@ def packed_kv_attention(
     observer = packed_batch.observer
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     store.write(layer, plan, key[0], value[0])
+    decoded = _decode(packed_batch, layer, query, scaling) if plan.decode_tokens.numel() else None
+    if plan.only_decode:  # no prefill to place the decode rows among
+        return decoded.unsqueeze(0), None
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, D]
-    if plan.decode_tokens.numel():
-        rows = query[0, :, plan.decode_tokens].transpose(0, 1)  # [rows, heads, D]
-        result = paged_attention.decode_attention(store.decode_batch(layer, plan, rows.float().contiguous(), scaling))
-        out[plan.decode_tokens] = result.out.to(out.dtype)
-        if observer is not None:
-            _report_decode(observer, packed_batch, layer, rows, result.lse, result.observed, scaling)
+    if decoded is not None:
+        out[plan.decode_tokens] = decoded
     for seg in packed_batch.segments:
         if seg.num_tokens > 1:
             out[seg.start : seg.end] = _prefill_attention(
                 query[:, :, seg.start : seg.end], store, seg, layer, scaling, observer
             )
     return out.unsqueeze(0), None
+
+
+def _decode(batch: PackedBatch, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """All decode rows of one layer through the paged kernel -> [rows, heads, D] in query's dtype; their
+    attention goes to the observer."""
+    plan = batch.plan
+    rows = query[0] if plan.only_decode else query[0, :, plan.decode_tokens]
+    rows = rows.transpose(0, 1)  # [rows, heads, D]
+    result = paged_attention.decode_attention(batch.store.decode_batch(layer, plan, rows.float().contiguous(), scaling))
+    if batch.observer is not None:
+        _report_decode(batch.observer, batch, layer, rows, result.lse, result.observed, scaling)
+    return result.out.to(query.dtype)
 
 
 def _report_decode(

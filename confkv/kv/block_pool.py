@@ -18,8 +18,10 @@ free block left, hands out blocks lowest first, and gives a page back when anoth
 and none of its blocks is in use. The KV store decides what may be held (the budget); the pool is
 where it lives.
 
-On CUDA, with Triton, an append is cast or quantised and scattered by one kernel, and rows are copied
-by another (`confkv.kv.triton_blocks`): the same bytes as the torch path, in fewer launches.
+An append is cast or quantised and scattered by one kernel: on CUDA with Triton (`confkv.kv.triton_blocks`,
+which also copies rows), on CPU the C++ extension's `encode_rows` (`confkv/kv/csrc/block_write.cpp`).
+Both store the same bytes as the torch path, which serves where neither does; a decode step's dozen
+small torch operations per layer cost more than its attention.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from types import ModuleType
 import torch
 
 from confkv.kv.arena import Arena, ArenaFull
-from confkv.kv.paged_attention import PoolTensors
+from confkv.kv.paged_attention import FORMAT_CODES, PoolTensors
 from confkv.kv.quant import SCALE_DTYPE, bytes_per_vector, quantize, quantize_channels
 
 
@@ -125,6 +127,7 @@ class BlockPool:
         self.arena = arena
         self.device = arena.memory.device
         self._triton = _triton_blocks(self.device)
+        self._kernel = _cpu_kernel(self.device)
         self.data = arena.grid((block_size, kv_heads, codec.row_width), codec.storage_dtype)
         # One row per entry, as words: what writes and reads index.
         self._rows = _rows(self.data)
@@ -224,6 +227,8 @@ class BlockPool:
         """Store vectors x [n, kv_heads, head_dim] as entries `rows` (block * block_size + offset)."""
         if self._triton is not None:
             self._triton.encode_rows(x, rows, self.data, self.codec.name)
+        elif self._kernel is not None:
+            self._kernel.encode_rows(x, rows, self.data, FORMAT_CODES[self.codec.name])
         else:
             self.write_encoded(rows, *self.codec.encode(x))
 
@@ -274,6 +279,13 @@ def _triton_blocks(device: torch.device) -> ModuleType | None:
     from confkv.kv import triton_blocks
 
     return triton_blocks
+
+
+def _cpu_kernel(device: torch.device) -> ModuleType | None:
+    """The C++ extension when it serves `device` (CPU, built or buildable, not disabled), else None."""
+    from confkv.kv.kernels import load_kernel  # imported here for the reason above
+
+    return load_kernel() if device.type == "cpu" else None
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,14 @@
-"""Builds and loads the C++ decode-attention kernel (`confkv/kv/csrc/paged_attention.cpp`), and says
-whether the Triton kernels (`confkv.kv.triton_attention`, `confkv.kv.triton_blocks`) serve a device.
+"""Builds and loads the C++ kernels (one extension from `confkv/kv/csrc/`: decode attention in
+`paged_attention.cpp`, the block pool's row writes in `block_write.cpp`), and says whether the Triton
+kernels (`confkv.kv.triton_attention`, `confkv.kv.triton_blocks`) serve a device.
 
 The extension is compiled once per torch version into `$CONFKV_EXTENSION_DIR`, by default
 `~/.cache/conf-kv/extensions/<torch version>`; it needs g++ and ninja. `python -m confkv.kv.kernels`
 builds it ahead of time. Once built, it is imported directly (no compiler, ninja or write access
-needed, as in a container run by another user) as long as a stamp beside it matches the source, torch
-and Python. Without it, decode attention runs the PyTorch reference; so it does with
-`CONFKV_DISABLE_KERNEL=1`, for tests of the fallback and for benchmarks that compare the two. On CUDA
+needed, as in a container run by another user) as long as a stamp beside it matches the sources,
+torch and Python. Without it, decode attention runs the PyTorch reference and block writes take the
+torch path; so they do with `CONFKV_DISABLE_KERNEL=1`, for tests of the fallback and for benchmarks
+that compare the two. On CUDA
 the Triton kernels serve when triton imports, unless `CONFKV_DISABLE_KERNEL=1` (then the reference
 and the torch block writes do).
 """
@@ -28,7 +30,8 @@ import torch
 log = logging.getLogger(__name__)
 
 NAME = "conf_kv_paged_attention"
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "block_write.cpp")
 CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
@@ -39,8 +42,10 @@ def build_directory() -> Path:
 
 
 def _stamp() -> str:
-    """What the built library depends on: the source, the flags, torch and the Python ABI."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    """What the built library depends on: the sources and headers, the flags, torch and the Python ABI."""
+    digest = hashlib.sha256()
+    for path in sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")]):
+        digest.update(path.read_bytes())
     digest.update(repr((CFLAGS, LDFLAGS, torch.__version__, sys.implementation.cache_tag)).encode())
     return digest.hexdigest()
 
@@ -68,7 +73,7 @@ def build(verbose: bool = False) -> ModuleType:
     directory.mkdir(parents=True, exist_ok=True)
     module = load(
         name=NAME,
-        sources=[str(SOURCE)],
+        sources=[str(source) for source in SOURCES],
         # Copies: torch appends to the lists it is given.
         extra_cflags=list(CFLAGS),
         extra_ldflags=list(LDFLAGS),

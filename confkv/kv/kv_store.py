@@ -308,7 +308,8 @@ class KVStore:
     def begin_step(self, segments: list, positions: torch.Tensor) -> StepPlan:
         """Plan a forward pass of these segments (`Segment`s, room reserved, at `positions`): where
         each new entry goes in every layer, and the decode rows. The entries count as held from here on."""
-        plan = self.steps.plan(segments, list(self.allocator.pools.values()), self.allocator.pool)
+        pools = list(self.allocator.pools.values())
+        plan = self.steps.plan(segments, pools, self.allocator.pool, self.allocator.key_only_pool)
         self.stats.written(plan.token_slot, plan.key_index, positions)
         return plan
 
@@ -319,7 +320,7 @@ class KVStore:
 
     def decode_batch(self, layer: int, plan: StepPlan, query: torch.Tensor, scale: float) -> DecodeBatch:
         """The decode kernel's view of one layer for the plan's decode rows (query [rows, heads, D])."""
-        return self.steps.decode_batch(layer, plan, query, scale, self.allocator.key_only_pool)
+        return self.steps.decode_batch(layer, plan, query, scale)
 
     def observe(
         self,

@@ -48,7 +48,9 @@ def quantize(x: torch.Tensor, bits: int) -> Quantized:
     if bits not in PACKED_BITS:
         raise ValueError(f"unsupported bit width {bits}; use 2, 4 or 8")
     levels = 2**bits - 1
-    lo = x.amin(dim=-1).float()
+    # + 0.0 turns a minimum of -0.0 into 0.0: which zero a min keeps depends on the order it reduces in,
+    # and the kernels that write rows (confkv.kv.triton_blocks, csrc/block_write.cpp) reduce in others.
+    lo = x.amin(dim=-1).float() + 0.0
     hi = x.amax(dim=-1).float()
     scale = ((hi - lo) / levels).clamp_min(1e-8)
     # Round the stored parameters first so that dequantisation uses exactly what is kept.

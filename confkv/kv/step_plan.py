@@ -3,7 +3,9 @@ rows read.
 
 A plan is made once per step, before the forward (`StepPlanner.plan`), so that every layer writes
 its new keys and values (`write`) and hands the decode kernel its rows (`decode_batch`) without a
-Python loop over sequences. Keys are written by their pool's format: in place for a float or a
+Python loop over sequences; what the kernel reads besides the query (block tables, lengths, pools)
+is made ready once per step too, since per layer its small conversions cost about as much as a
+decode step's attention. Keys are written by their pool's format: in place for a float or a
 per-token format (quantised keys turned into a rotated basis first, `KeyBasis`), or whole blocks
 re-encoded for per-channel int4 (`confkv.kv.channel_keys`).
 """
@@ -21,7 +23,7 @@ from confkv.kv.block_pool import BlockPool, Codec
 from confkv.kv.block_tables import BlockTables
 from confkv.kv.channel_keys import ChannelKeys, ChannelWrite
 from confkv.kv.kv_layout import KEY_ONLY, KEYS, VALUES, as_tensor
-from confkv.kv.paged_attention import DecodeBatch
+from confkv.kv.paged_attention import DecodeBatch, PoolTensors
 
 
 class WriteGroup(NamedTuple):
@@ -49,6 +51,13 @@ class StepPlan:
     observe_index: torch.Tensor  # [rows] int32
     num_observed: int
     turned_rows: torch.Tensor | None  # decode rows whose keys are stored rotated (None: none)
+    only_decode: bool  # every segment is one token: decode row i is token i
+    # What every layer's decode kernel reads besides its query, made once per step (empty without rows):
+    pool_tensors: list[PoolTensors]
+    key_only_pool: int  # an index in `pools`: KEY_ONLY values
+    tables: torch.Tensor | None  # [kinds, layers, slots, max_blocks] int32: the block tables
+    lengths: torch.Tensor | None  # [layers, slots] int32: entries held
+    key_only_counts: torch.Tensor | None  # [layers, slots] int32: KEY_ONLY entries among them
 
 
 class KeyBasis:
@@ -82,10 +91,16 @@ class StepPlanner:
         self.basis = basis
         self.device = device
 
-    def plan(self, segments: list, pools: list[BlockPool], values_pool: Callable[[Codec], BlockPool]) -> StepPlan:
+    def plan(
+        self,
+        segments: list,
+        pools: list[BlockPool],
+        values_pool: Callable[[Codec], BlockPool],
+        key_only_pool: BlockPool,
+    ) -> StepPlan:
         """Where each new entry of these segments (`Segment`s, room reserved) goes in every layer, and
-        the decode rows; `pools`: every pool, `values_pool`: the pool of a key format's values. The
-        entries count as held from here on."""
+        the decode rows; `pools`: every pool, `values_pool`: the pool of a key format's values,
+        `key_only_pool`: that of KEY_ONLY values. The entries count as held from here on."""
         tables, device, bs = self.tables, self.device, self.tables.block_size
         slots = np.array([tables.slot_of[seg.seq_id] for seg in segments], dtype=np.int64)
         counts = np.array([seg.num_tokens for seg in segments], dtype=np.int64)
@@ -121,6 +136,11 @@ class StepPlanner:
         observed = [j for j, i in enumerate(decode) if segments[i].observe]
         observe[observed] = np.arange(len(observed))
         turned = [row for row, p in enumerate(decode_pools) if self.basis.turns(p[KEYS])]
+
+        # One copy per step of what the layers' kernels read (none on CPU: numpy's memory is shared).
+        def int32(array: np.ndarray) -> torch.Tensor | None:
+            return as_tensor(array, device, torch.int32) if decode else None
+
         return StepPlan(
             token_slot=as_tensor(token_slot, device),
             key_index=as_tensor(key_index, device),
@@ -134,45 +154,49 @@ class StepPlanner:
             observe_index=as_tensor(observe, device),
             num_observed=len(observed),
             turned_rows=as_tensor(np.array(turned), device) if turned else None,
+            only_decode=len(decode) == len(segments),
+            pool_tensors=[pool.tensors() for pool in pools] if decode else [],
+            key_only_pool=pools.index(key_only_pool),
+            tables=int32(tables.ids),
+            lengths=int32(tables.lengths),
+            key_only_counts=int32(tables.key_only),
         )
 
     def write(self, layer: int, plan: StepPlan, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the step's new keys and values of one layer (each [kv_heads, tokens, head_dim])."""
-        rows = plan.rows[layer]
+        rows, n = plan.rows[layer], keys.shape[1]
         for group in plan.groups:
             tokens = group.tokens
             k, v = (keys, values) if tokens is None else (keys[:, tokens], values[:, tokens])
             if group.channel is not None:
                 self.channel_keys.write(layer, group.keys, group.channel[layer], k)
-                value_rows = rows[keys.shape[1] :] if tokens is None else rows[tokens + keys.shape[1]]
-                group.values.write(value_rows, v.transpose(0, 1))
+                group.values.write(rows[n:] if tokens is None else rows[tokens + n], v.transpose(0, 1))
                 continue
             if self.basis.turns(group.keys):
                 k = self.basis.turn(k)
-            entries = torch.cat((k, v), dim=1).transpose(0, 1)  # [2 * tokens, kv_heads, head_dim]
-            group.keys.write(rows if tokens is None else rows[torch.cat((tokens, tokens + keys.shape[1]))], entries)
+            key_rows, value_rows = (rows[:n], rows[n:]) if tokens is None else (rows[tokens], rows[tokens + n])
+            group.keys.write(key_rows, k.transpose(0, 1))
+            group.keys.write(value_rows, v.transpose(0, 1))
 
-    def decode_batch(
-        self, layer: int, plan: StepPlan, query: torch.Tensor, scale: float, key_only_pool: BlockPool
-    ) -> DecodeBatch:
+    def decode_batch(self, layer: int, plan: StepPlan, query: torch.Tensor, scale: float) -> DecodeBatch:
         """The decode kernel's view of one layer for the plan's decode rows (query [rows, heads, D])."""
         if plan.turned_rows is not None:  # their keys are stored rotated: q.k is the same in that basis
             turned = self.basis.turn(query.index_select(0, plan.turned_rows))
             query = query.index_copy(0, plan.turned_rows, turned)
-        tables, device = self.tables, self.device
+        tables = plan.tables
         return DecodeBatch(
             query=query,
-            pools=[pool.tensors() for pool in plan.pools],
+            pools=plan.pool_tensors,
             row_slot=plan.row_slot,
             row_pool=plan.row_pool,
             row_value_pool=plan.row_value_pool,
-            key_only_pool=plan.pools.index(key_only_pool),
-            key_tables=as_tensor(tables.ids[KEYS, layer], device, torch.int32),
-            value_tables=as_tensor(tables.ids[VALUES, layer], device, torch.int32),
-            key_only_tables=as_tensor(tables.ids[KEY_ONLY, layer], device, torch.int32),
-            num_keys=as_tensor(tables.lengths[layer], device, torch.int32),
-            num_key_only=as_tensor(tables.key_only[layer], device, torch.int32),
-            block_size=tables.block_size,
+            key_only_pool=plan.key_only_pool,
+            key_tables=tables[KEYS, layer],
+            value_tables=tables[VALUES, layer],
+            key_only_tables=tables[KEY_ONLY, layer],
+            num_keys=plan.lengths[layer],
+            num_key_only=plan.key_only_counts[layer],
+            block_size=self.tables.block_size,
             scale=scale,
             observe_index=plan.observe_index,
             num_observed=plan.num_observed,

@@ -70,8 +70,12 @@ def _encode(
         mask = (h < KV_HEADS)[:, None] & (d < HEAD_DIM // 2)[None, :]
         first = tl.load(source + d[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
         second = tl.load(source + (d + HEAD_DIM // 2)[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
-        lo = tl.minimum(
-            tl.min(tl.where(mask, first, float("inf")), axis=1), tl.min(tl.where(mask, second, float("inf")), axis=1)
+        lo = (
+            tl.minimum(
+                tl.min(tl.where(mask, first, float("inf")), axis=1),
+                tl.min(tl.where(mask, second, float("inf")), axis=1),
+            )
+            + 0.0  # -0.0 as 0.0, as `quantize` stores it
         )
         hi = tl.maximum(
             tl.max(tl.where(mask, first, float("-inf")), axis=1), tl.max(tl.where(mask, second, float("-inf")), axis=1)

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from benchmarks.corpus import paragraphs  # noqa: E402
+from confkv.models.corpus import paragraphs  # noqa: E402
 
 LENGTHS = (4096, 8192, 16384)
 CASES = 40  # per length; lm-eval's --limit takes the first ones

@@ -1,6 +1,6 @@
 // Fused decode attention over the block-paged KV pool, on CPU. The semantics (layouts, key order with
 // KEY_ONLY entries first, GQA, outputs) are those of decode_attention_reference in
-// compression/paged_attention.py. Work items are spans of kSpan entries of a (row, KV head) pair: each
+// confkv/kv/paged_attention.py. Work items are spans of kSpan entries of a (row, KV head) pair: each
 // reads its entries in place at their storage format, scores all query heads of the group against each
 // key vector loaded (and decoded) once, and keeps an online softmax over tiles of entries; the spans of
 // a pair are then merged. A row's keys and FULL values may lie in different pools (int4c keys hold no
@@ -17,6 +17,8 @@
 #include <tuple>
 #include <vector>
 
+#include "formats.h"
+
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 // The build stays portable (no -march): the hot path is compiled per ISA level and picked at load time.
 #define CONFKV_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -28,7 +30,6 @@
 
 namespace {
 
-enum Format : int64_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt8 = 3, kInt4 = 4, kInt2 = 5, kInt4c = 6 };
 // As a template argument: the pool's format, dispatched per tile instead of compiled in.
 constexpr int64_t kAnyFormat = -1;
 
@@ -717,13 +718,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
   return {out, lse, observed};
 }
 
+// block_write.cpp
+void encode_rows(const at::Tensor& x, const at::Tensor& rows, at::Tensor& data, int64_t format);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
-        "Decode attention over the block-paged KV pool; see compression/paged_attention.py",
+        "Decode attention over the block-paged KV pool; see confkv/kv/paged_attention.py",
         py::arg("query"), py::arg("pool_data"), py::arg("pool_formats"), py::arg("row_slot"),
         py::arg("row_pool"), py::arg("row_value_pool"), py::arg("key_only_pool"), py::arg("key_tables"),
         py::arg("value_tables"), py::arg("key_only_tables"), py::arg("num_keys"), py::arg("num_key_only"),
         py::arg("block_size"), py::arg("scale"), py::arg("observe_index"), py::arg("num_observed"),
         // The pass holds no Python state: let the server's other threads run meanwhile.
         py::call_guard<py::gil_scoped_release>());
+  m.def("encode_rows", &encode_rows,
+        "Store vectors x [n, kv_heads, head_dim] at a pool's rows in a format; see confkv/kv/block_pool.py",
+        py::arg("x"), py::arg("rows"), py::arg("data"), py::arg("format"), py::call_guard<py::gil_scoped_release>());
 }

@@ -8,14 +8,13 @@ the attention it receives over the next `prediction_window` decode steps (every 
 Prompts come from text that ships with Python: long documents with a question, multi-turn chats
 and free continuations.
 
-    python benchmarks/predictor/collect_traces.py --out traces/ --sequences 24
+    python -m confkv.compress.predictor.collect --out traces/ --sequences 24
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,16 +22,14 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmarks.corpus import paragraphs  # noqa: E402
-from confkv.compress.config import CompressionConfig, resolve  # noqa: E402
-from confkv.compress.predictor.features import target, window_features  # noqa: E402
-from confkv.compress.predictor.model import PredictorConfig  # noqa: E402
-from confkv.compress.scoring import make_policy  # noqa: E402
-from confkv.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from confkv.engine.sequence import SamplingParams  # noqa: E402
-from confkv.models.loader import load_model  # noqa: E402
+from confkv.compress.config import CompressionConfig, resolve
+from confkv.compress.predictor.features import target, window_features
+from confkv.compress.predictor.model import PredictorConfig
+from confkv.compress.scoring import make_policy
+from confkv.engine.llm_engine import EngineConfig, LLMEngine
+from confkv.engine.sequence import SamplingParams
+from confkv.models.corpus import paragraphs
+from confkv.models.loader import load_model
 
 SAMPLE_TENSORS = ("windows", "targets", "accumulated", "groups", "at_prefill", "held", "decayed_total")
 
