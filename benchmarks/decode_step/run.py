@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -188,7 +189,12 @@ def compressor_share(engine: LLMEngine, device: torch.device, steps: int) -> dic
 
 
 def run_tree(code_root: Path, setups: list[str], args: argparse.Namespace, profile: bool = False) -> dict:
-    """The setups on one code tree, in a fresh process."""
+    """The setups on one code tree, in a fresh process. Another tree builds its C++ extension into a
+    folder of its own: in the shared one it would replace this tree's build (and a server's) with its
+    sources, and each would rebuild in turn."""
+    env = dict(os.environ)
+    if code_root != ROOT:
+        env["CONFKV_EXTENSION_DIR"] = str(code_root / ".extension")
     out = subprocess.run(
         [
             sys.executable,
@@ -216,6 +222,7 @@ def run_tree(code_root: Path, setups: list[str], args: argparse.Namespace, profi
         check=True,
         stdout=subprocess.PIPE,
         text=True,
+        env=env,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
