@@ -293,7 +293,8 @@ def table(data: dict, args: argparse.Namespace) -> str:
     lines = []
     if data["results"]:
         lines += [
-            f"{args.seqs} sequences of {args.prompt_tokens} prompt tokens decoding together, {where(args)}, median "
+            f"{args.seqs} sequence{'s' if args.seqs != 1 else ''} of {args.prompt_tokens} prompt tokens decoding "
+            f"together, {where(args)}, median "
             f"of {args.steps}-token runs' pure decode steps, the setups' steps taking turns in one process; {command}.",
             "",
             "| code | setup | median decode step | vs compression off | compressor (median / mean) | "
