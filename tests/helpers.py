@@ -234,28 +234,34 @@ def storage(fmt: str) -> torch.dtype | str:
     return fmt if fmt.startswith("int") else getattr(torch, fmt)
 
 
-def block_pool(fmt: str, kv_heads: int, head_dim: int, blocks: int, writer: str) -> BlockPool:
-    """An empty pool of `blocks` blocks of 4 entries whose writes take `writer`'s path: "torch", "c++"
-    (the CPU extension) or "triton" (interpreted on CPU)."""
+def block_pool(
+    fmt: str, kv_heads: int, head_dim: int, blocks: int, writer: str, device: torch.device | str = "cpu"
+) -> BlockPool:
+    """An empty pool of `blocks` blocks of 4 entries on `device` whose writes take `writer`'s path:
+    "torch", "c++" (the CPU extension) or "triton" (compiled on CUDA, interpreted on CPU)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kernels, "triton_enabled", lambda device: writer == "triton")
         if writer == "torch":
             patch.setenv("CONFKV_DISABLE_KERNEL", "1")
         codec = Codec(storage(fmt), head_dim)
         block_bytes = kv_heads * 4 * codec.vector_bytes
-        pool = BlockPool(codec, kv_heads, block_size=4, arena=Arena(blocks * block_bytes, block_bytes))
+        arena = Arena(blocks * block_bytes, block_bytes, device=device)
+        pool = BlockPool(codec, kv_heads, block_size=4, arena=arena)
     pool.allocate(blocks)
     return pool
 
 
-def written_both_ways(writer: str, x: torch.Tensor, fmt: str, seed: int) -> tuple[BlockPool, BlockPool]:
-    """x [n, kv_heads, head_dim] written at the same random rows of two fresh pools, one on the torch
-    path and one on `writer`'s (see `block_pool`): (torch's, writer's)."""
+def written_both_ways(
+    writer: str, x: torch.Tensor, fmt: str, seed: int, device: torch.device | str = "cpu"
+) -> tuple[BlockPool, BlockPool]:
+    """x [n, kv_heads, head_dim] written at the same random rows of two fresh pools, one on the CPU's
+    torch path and one on `device` taking `writer`'s path (see `block_pool`): (torch's, writer's)."""
     n, kv_heads, head_dim = x.shape
-    reference, pool = (block_pool(fmt, kv_heads, head_dim, 4, w) for w in ("torch", writer))
+    reference = block_pool(fmt, kv_heads, head_dim, 4, "torch")
+    pool = block_pool(fmt, kv_heads, head_dim, 4, writer, device)
     rows = torch.randperm(16, generator=torch.Generator().manual_seed(seed))[:n]
     reference.write(rows, x)
-    pool.write(rows, x)
+    pool.write(rows.to(device), x.to(device))
     return reference, pool
 
 

@@ -1,8 +1,8 @@
-"""The CUDA paths, against the CPU: decode attention at the embedded model's sizes; generation with
-compression off and on, step by step on one model with random weights (the embedded model's
-architecture: real weights need not travel to a GPU machine), its logits compared with the CPU's;
-asynchronous compression (the worker's stream) against compressing between steps; and generation
-under torch's CUDA sanitizer.
+"""The CUDA paths, against the CPU: decode attention at the embedded model's sizes; the block writes,
+byte for byte; generation with compression off and on, step by step on one model with random weights
+(the embedded model's architecture: real weights need not travel to a GPU machine), its logits
+compared with the CPU's; asynchronous compression (the worker's stream) against compressing between
+steps; and generation under torch's CUDA sanitizer.
 
 They run only where `torch.cuda.is_available()` (`make gpu-check` runs them, `pytest -m cuda` selects
 them) and are skipped elsewhere. On CUDA the decode step reads the block pools through the same
@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import AutoConfig
 
 from benchmarks.engine import decoding_engine, load_with_predictor
@@ -46,7 +48,7 @@ from confkv.models.loader import KVShape
 from confkv.models.random_weights import random_model_path
 from confkv.server.api import build_engine
 from confkv.server.settings import Settings
-from tests.helpers import ROOT, make_pool, tokens_of
+from tests.helpers import ROOT, appends, make_pool, same_bytes, tokens_of, written_both_ways
 
 pytestmark = [
     pytest.mark.cuda,
@@ -167,6 +169,22 @@ def test_keys_stored_rotated_on_cuda_attend_as_on_the_cpu(storage):
     # The same codes but where a turned key lands within rounding of a level boundary.
     torch.testing.assert_close(views["cuda"], views["cpu"], rtol=0.0, atol=0.2 if storage == "int4" else 0.05)
     torch.testing.assert_close(outs["cuda"], outs["cpu"], rtol=0.0, atol=0.05)
+
+
+# A constant vector's int4 scale rounds to 0 in float16: its codes divide by zero, as torch's do.
+@pytest.mark.filterwarnings("ignore:.* encountered in divide:RuntimeWarning")
+@pytest.mark.parametrize("writer", ["triton", "torch"])
+# Few cases: each new shape, format and dtype compiles the kernel anew, within the tests' time limit.
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=appends(), seed=st.integers(0, 2**31))
+def test_block_writes_on_cuda_store_the_bytes_the_cpu_stores(writer, case, seed):
+    """The compiled Triton row writer (and torch's path on CUDA) against the CPU's torch path, byte for
+    byte: the interpreter runs the Triton kernel's logic on CPU, but only a GPU runs its division,
+    rounding and casts as compiled."""
+    fmt, x = case
+    reference, written = written_both_ways(writer, x, fmt, seed, device=CUDA)
+    assert written.data.device.type == "cuda" and (written._triton is not None) == (writer == "triton")
+    assert same_bytes(written.data.cpu(), reference.data)
 
 
 # ----- generation on CUDA against the CPU, on one model with random weights ----------------------

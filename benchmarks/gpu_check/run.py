@@ -5,9 +5,9 @@ bundle (`make gpu-bundle`) into the machine's own python3 and runs this.
 Its parts, in order of what matters most, each under a time limit:
 
 1. tests: the CUDA tests (`tests/test_cuda.py`): decode attention at the embedded model's sizes
-   against the CPU reference; logits on CUDA against the CPU's, step by step, on the embedded
-   architecture with random weights, compression off and on; generation under torch's CUDA
-   sanitizer; the KV budget taken from free GPU memory;
+   against the CPU reference; the block writes against the CPU's bytes; logits on CUDA against the
+   CPU's, step by step, on the embedded architecture with random weights, compression off and on;
+   generation under torch's CUDA sanitizer; the KV budget taken from free GPU memory;
 2. decode: the decode step at the same batch (`benchmarks/decode_step/run.py`), a Llama-3.1-8B-shaped
    model with random weights (speed does not depend on their values) in bf16, 64 sequences of 4096
    tokens: compression off against int8 at rates 0.6 and 0.875, with the compressor's share of the
