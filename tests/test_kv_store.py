@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from confkv.kv.arena import SPARE_PAGES, Arena
-from confkv.kv.attention import Segment
+from confkv.kv.attention import PackedBatch, Segment, packed_kv_attention
 from confkv.kv.block_pool import BlockPool, Codec
 from confkv.kv.block_tables import Keep, ParkedKV
 from confkv.kv.kv_layout import BLOCK_SIZE
@@ -60,6 +60,45 @@ def test_reserve_is_all_or_nothing():
     assert store.used_bytes == before and 2 not in store
     assert store.seq_length(1) == BLOCK_SIZE
     check_references(store)
+
+
+class RecordingObserver:
+    def __init__(self) -> None:
+        self.rows: dict[tuple[int, int], torch.Tensor] = {}
+
+    def on_attention(self, seq_id: int, layer: int, rows: torch.Tensor) -> None:
+        self.rows[seq_id, layer] = rows
+
+
+@pytest.mark.parametrize("storage", [None, "int8"])
+def test_a_prefill_chunk_attends_to_key_only_entries_and_observes_its_last_queries(storage):
+    """A chunk after a compaction that kept some entries KEY_ONLY (as a new turn's prompt after an
+    adopted compressed prefix): SDPA over the keys with the KEY_ONLY values first must be the
+    explicit softmax over both tiers, causal within the chunk, and the observed rows its last
+    queries' probabilities, mean over heads."""
+    kv_heads, group, head_dim, t, observe = 2, 3, 8, 5, 3
+    store = KVStore(1, kv_heads, head_dim, max_bytes=10**7, storage=storage, key_only_bits=8)
+    gen = torch.Generator().manual_seed(0)
+    fill(store, 1, 40, keys=lambda layer: torch.randn(kv_heads, 40, head_dim, generator=gen))
+    store.compact(1, {0: Keep(full=torch.tensor([1, 5, 20, 39]), key_only=torch.tensor([0, 7, 8, 30]))})
+    store.reserve(1, t)
+    observer = RecordingObserver()
+    batch = PackedBatch(store, [Segment(1, 0, t, observe=observe)], torch.arange(40, 40 + t), observer)
+    q = torch.randn(1, kv_heads * group, t, head_dim, generator=gen)
+    k, v = (torch.randn(1, kv_heads, t, head_dim, generator=gen) for _ in range(2))
+    layer = type("Layer", (), {"layer_idx": 0})()
+    out, _ = packed_kv_attention(layer, q, k, v, None, 0.5, packed_batch=batch)
+
+    view = store.view(1, 0)
+    assert view.num_key_only == 4 and view.keys.shape[1] == 4 + 4 + t
+    scores = torch.matmul(q[0].view(kv_heads, group * t, head_dim), view.keys.transpose(1, 2)) * 0.5
+    held = view.keys.shape[1]
+    causal = torch.arange(held) <= torch.arange(t).unsqueeze(1) + held - t
+    probs = scores.view(kv_heads, group, t, held).masked_fill(~causal, float("-inf")).softmax(-1)
+    values = torch.cat((view.key_only_values, view.values), dim=1)  # [kv_heads, held, D]
+    expected = torch.einsum("hgtk,hkd->thgd", probs, values).reshape(1, t, kv_heads * group, head_dim)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(observer.rows[1, 0], probs[:, :, -observe:].mean(dim=(0, 1)), rtol=1e-5, atol=1e-6)
 
 
 def test_compaction_keeps_chosen_entries_rewrites_only_what_moved_and_frees_bytes():

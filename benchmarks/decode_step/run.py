@@ -4,8 +4,11 @@ N sequences of P prompt tokens are prefilled, then decode together (greedy, EOS 
 figure is the median duration of the engine's pure decode steps (every sequence one token). All
 setups run in one process, one engine each on the same prompts, sharing the model; once all are
 prefilled their decode steps take turns one step at a time, so that drift on this noisy machine
-hits every setup alike. With `--baseline REV` the same setups also run on the code of git revision
-REV (a temporary worktree, in its own process, before this tree's).
+hits every setup alike. Each setup's prefill (its steps up to the first pure decode step: the
+prompts, one after another, and the first tokens of those already prefilled) is summed too; the
+setups prefill one after another, so drift is not shared there. With `--baseline REV` the same
+setups also run on the code of git revision REV (a temporary worktree, in its own process, before
+this tree's).
 
     python benchmarks/decode_step/run.py                   # 16 x 2000 tokens: off, 0.6 (thresholds on/off), 0.75, 0.875
     python benchmarks/decode_step/run.py --baseline HEAD~3  # and the same on an older revision
@@ -75,6 +78,7 @@ class DecodeSteps:
     durations: list[float] = field(default_factory=list)
     compression: list[float] = field(default_factory=list)  # seconds of each spent in the compressor
     kv_bytes: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0  # the steps before them: every prompt, with the first tokens decoded on the way
 
     def record(self, engine: LLMEngine, duration: float) -> None:
         """The engine's last step, `duration` seconds long, and the KV it holds after it."""
@@ -90,6 +94,7 @@ class DecodeSteps:
             "mean_compression_ms": 1000 * statistics.mean(self.compression),
             "median_kv_mib": statistics.median(self.kv_bytes) / 2**20,
             "decode_steps": len(self.durations),
+            "prefill_s": self.prefill_s,
         }
 
 
@@ -116,9 +121,9 @@ def measure(code_root: Path, setups: list[str], args: argparse.Namespace) -> dic
     shares: dict[str, dict] = {}
     bar = tqdm(total=len(setups) * seqs * tokens, desc=code_root.name, leave=False)
     with torch.inference_mode(), bar:
-        for engine in engines.values():  # prefill each, up to its first pure decode step
+        for setup, engine in engines.items():  # prefill each, up to its first pure decode step
             while engine.last_step is None or engine.last_step.num_tokens != seqs:
-                advance(engine, bar, device)
+                decoded[setup].prefill_s += advance(engine, bar, device)
         while any(engine.has_unfinished() for engine in engines.values()):
             for setup, engine in engines.items():
                 halfway = len(decoded[setup].durations) == args.steps // 2
@@ -298,8 +303,8 @@ def table(data: dict, args: argparse.Namespace) -> str:
             f"of {args.steps}-token runs' pure decode steps, the setups' steps taking turns in one process; {command}.",
             "",
             "| code | setup | median decode step | vs compression off | compressor (median / mean) | "
-            "KV held (median) |",
-            "| --- | --- | ---: | ---: | ---: | ---: |",
+            "KV held (median) | prefill |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
         ]
     for tree, rows in data["results"].items():
         off = rows.get("compression off", {})
@@ -308,7 +313,8 @@ def table(data: dict, args: argparse.Namespace) -> str:
             ratio = f"{step / off['median_step_ms']:.2f}x" if off else "-"
             mean = f" / {row['mean_compression_ms']:.1f}" if "mean_compression_ms" in row else ""  # older revisions
             kv = f"{row['median_kv_mib']:.0f} MiB" if "median_kv_mib" in row else "-"
-            lines.append(f"| {tree} | {setup} | {step:.0f} ms | {ratio} | {engine:.1f}{mean} ms | {kv} |")
+            prefill = f"{row['prefill_s']:.1f} s" if "prefill_s" in row else "-"
+            lines.append(f"| {tree} | {setup} | {step:.0f} ms | {ratio} | {engine:.1f}{mean} ms | {kv} | {prefill} |")
     means = {
         (tree, setup): row
         for tree, rows in data["results"].items()

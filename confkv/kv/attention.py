@@ -6,8 +6,9 @@ token axis that belong to each sequence, and their true positions. The store pla
 (where every new entry goes, which rows decode); then in every layer the new keys and values are
 written into their blocks, all decode rows (one-token segments) go through one call of the paged
 decode kernel, which reads the blocks in place and reports observed attention on the way, and
-each prefill chunk attends to its sequence's entries, gathered, through SDPA (or explicitly, where
-KEY_ONLY values, observation or an audit of dropped keys need the probabilities).
+each prefill chunk attends to its sequence's entries, gathered, through SDPA; the chunk's last queries,
+where the compressor observes them, again explicitly for their probabilities. Only decode rows are
+audited against dropped keys (`Compressor.prepare`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from confkv.kv import paged_attention
-from confkv.kv.kv_store import KVStore, LayerView
+from confkv.kv.kv_store import KVStore
 from confkv.kv.step_plan import StepPlan
 
 ATTENTION_NAME = "conf_kv_packed"
@@ -53,7 +54,7 @@ class Segment:
     start: int
     end: int
     observe: int = 0  # report attention of the last `observe` queries to the observer
-    audit: bool = False  # measure recall against the keys this sequence dropped
+    audit: bool = False  # a decode row: measure recall against the keys this sequence dropped
 
     @property
     def num_tokens(self) -> int:
@@ -150,53 +151,32 @@ def _prefill_attention(
     """One prefill chunk (q [1, heads, t, D]) against its sequence's entries -> [t, heads, D]."""
     kv = store.view(seg.seq_id, layer)
     mask = _causal_mask(kv.keys.shape[1], seg.num_tokens, kv.keys.device)
-    if kv.key_only_values is None and not seg.observe and not seg.audit:
-        out = F.scaled_dot_product_attention(
-            q, kv.keys.unsqueeze(0), kv.values.unsqueeze(0), attn_mask=mask, scale=scaling, enable_gqa=True
-        )
-    else:
-        out = _tiered_attention(q, kv, mask, scaling, seg, layer, observer)
+    # KEY_ONLY entries come first among the keys: their values, then the FULL ones, line up with them.
+    values = kv.values if kv.key_only_values is None else torch.cat((kv.key_only_values, kv.values), dim=1)
+    out = F.scaled_dot_product_attention(
+        q, kv.keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=scaling, enable_gqa=True
+    )
+    if seg.observe and observer is not None:
+        observer.on_attention(seg.seq_id, layer, _observed_rows(q[0, :, -seg.observe :], kv.keys, mask, scaling))
     return out[0].transpose(0, 1)
 
 
-def _causal_mask(held: int, new: int, device: torch.device) -> torch.Tensor | None:
+def _observed_rows(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The attention of a chunk's last queries (q [heads, w, D]) over keys [kv_heads, held, D], mean
+    over heads -> [w, held]. Only these rows are made explicit: SDPA never forms a chunk's
+    [heads, t, held] probabilities, which cost several times its attention at a few thousand keys."""
+    kv_heads, (heads, w, d) = keys.shape[0], q.shape
+    group = heads // kv_heads
+    scores = torch.matmul(q.reshape(kv_heads, group * w, d), keys.transpose(1, 2)).float() * scaling
+    scores = scores.view(kv_heads, group, w, -1).masked_fill(~mask[-w:], float("-inf"))
+    return scores.softmax(dim=-1).mean(dim=(0, 1))
+
+
+def _causal_mask(held: int, new: int, device: torch.device) -> torch.Tensor:
     """New entries sit at the end of the cache: query i sees everything older plus new entries up to i."""
-    if new == 1:
-        return None
     cols = torch.arange(held, device=device)
     rows = torch.arange(new, device=device).unsqueeze(1)
     return cols <= rows + (held - new)
-
-
-def _tiered_attention(
-    q: torch.Tensor,
-    kv: LayerView,
-    mask: torch.Tensor | None,
-    scaling: float,
-    seg: Segment,
-    layer: int,
-    observer: AttentionObserver | None,
-) -> torch.Tensor:
-    """Attention with explicit probabilities: KEY_ONLY values, observation and audit."""
-    _, heads, t, d = q.shape
-    kv_heads = kv.keys.shape[0]
-    group = heads // kv_heads
-    qg = q[0].reshape(kv_heads, group * t, d)
-    scores = torch.matmul(qg, kv.keys.transpose(1, 2)).float() * scaling  # [kv_heads, group*t, held]
-    if mask is not None:
-        scores = scores.view(kv_heads, group, t, -1).masked_fill(~mask, float("-inf")).view(kv_heads, group * t, -1)
-    probs = scores.softmax(dim=-1)
-    n_ko = kv.num_key_only
-    out = torch.matmul(probs[..., n_ko:].to(kv.values.dtype), kv.values)
-    if n_ko:
-        out = out + torch.matmul(probs[..., :n_ko].to(kv.values.dtype), kv.key_only_values)
-    if observer is not None:
-        if seg.observe:
-            rows = probs.view(kv_heads, group, t, -1)[:, :, -seg.observe :]
-            observer.on_attention(seg.seq_id, layer, rows.mean(dim=(0, 1)))
-        if seg.audit:
-            _audit(observer, seg, layer, qg, scores.logsumexp(-1), scaling)
-    return out.view(kv_heads, group, t, d).reshape(1, heads, t, d).to(q.dtype)
 
 
 def _audit(

@@ -127,13 +127,13 @@ def triton_enabled(device: torch.device) -> bool:
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    log.info("building the decode-attention kernel (once, about a minute)...")
+    log.info("building the C++ kernels, decode attention and block writes (once, about a minute)...")
     try:
         module = build()
     except Exception as exc:
-        log.error("the decode-attention kernel did not build: %s", exc)
+        log.error("the C++ kernels did not build: %s", exc)
         return 1
-    log.info("decode-attention kernel ready: %s", module.__file__)
+    log.info("C++ kernels ready: %s", module.__file__)
     return 0
 
 

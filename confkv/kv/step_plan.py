@@ -45,16 +45,15 @@ class StepPlan:
     groups: list[WriteGroup]  # the step's tokens by key pool
     decode_tokens: torch.Tensor  # [rows] tokens of one-token segments
     row_slot: torch.Tensor  # [rows] int32
-    row_pool: torch.Tensor  # [rows] int32, an index in `pools`: keys
-    row_value_pool: torch.Tensor  # [rows] int32, an index in `pools`: FULL values
-    pools: list[BlockPool]
+    row_pool: torch.Tensor  # [rows] int32, an index in `pool_tensors`: keys
+    row_value_pool: torch.Tensor  # [rows] int32, an index in `pool_tensors`: FULL values
     observe_index: torch.Tensor  # [rows] int32
     num_observed: int
     turned_rows: torch.Tensor | None  # decode rows whose keys are stored rotated (None: none)
     only_decode: bool  # every segment is one token: decode row i is token i
     # What every layer's decode kernel reads besides its query, made once per step (empty without rows):
     pool_tensors: list[PoolTensors]
-    key_only_pool: int  # an index in `pools`: KEY_ONLY values
+    key_only_pool: int  # an index in `pool_tensors`: KEY_ONLY values
     tables: torch.Tensor | None  # [kinds, layers, slots, max_blocks] int32: the block tables
     lengths: torch.Tensor | None  # [layers, slots] int32: entries held
     key_only_counts: torch.Tensor | None  # [layers, slots] int32: KEY_ONLY entries among them
@@ -150,7 +149,6 @@ class StepPlanner:
             row_slot=as_tensor(slots[decode], device, torch.int32),
             row_pool=torch.tensor([pools.index(p[KEYS]) for p in decode_pools], dtype=torch.int32),
             row_value_pool=torch.tensor([pools.index(p[VALUES]) for p in decode_pools], dtype=torch.int32),
-            pools=pools,
             observe_index=as_tensor(observe, device),
             num_observed=len(observed),
             turned_rows=as_tensor(np.array(turned), device) if turned else None,
@@ -168,15 +166,12 @@ class StepPlanner:
         for group in plan.groups:
             tokens = group.tokens
             k, v = (keys, values) if tokens is None else (keys[:, tokens], values[:, tokens])
+            key_rows, value_rows = (rows[:n], rows[n:]) if tokens is None else (rows[tokens], rows[tokens + n])
             if group.channel is not None:
                 self.channel_keys.write(layer, group.keys, group.channel[layer], k)
-                group.values.write(rows[n:] if tokens is None else rows[tokens + n], v.transpose(0, 1))
-                continue
-            if self.basis.turns(group.keys):
-                k = self.basis.turn(k)
-            key_rows, value_rows = (rows[:n], rows[n:]) if tokens is None else (rows[tokens], rows[tokens + n])
-            group.keys.write(key_rows, k.transpose(0, 1))
-            group.keys.write(value_rows, v.transpose(0, 1))
+            else:
+                group.keys.write(key_rows, (self.basis.turn(k) if self.basis.turns(group.keys) else k).transpose(0, 1))
+            group.values.write(value_rows, v.transpose(0, 1))
 
     def decode_batch(self, layer: int, plan: StepPlan, query: torch.Tensor, scale: float) -> DecodeBatch:
         """The decode kernel's view of one layer for the plan's decode rows (query [rows, heads, D])."""
