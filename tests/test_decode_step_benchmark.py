@@ -1,5 +1,5 @@
-"""The benchmarks' process handling: a stopped run leaves nothing behind (the decode step's measuring
-child, RULER's server and lm-eval)."""
+"""The benchmarks' process handling: the decode step's measuring child runs the code it is given,
+and a stopped run leaves nothing behind (that child, RULER's server and lm-eval)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,28 @@ def _kill_all(parent: subprocess.Popen, children: list[psutil.Process]) -> None:
     for child in children:
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
+
+
+def test_a_baseline_is_measured_on_its_own_code_and_helpers(tmp_path):
+    """Importing the benchmark imports this tree's `confkv` (its placement options need it): the
+    measuring child of a baseline must still import the baseline's packages and helpers, not
+    measure this tree twice."""
+    for package in ("confkv", "benchmarks"):
+        (tmp_path / package).mkdir()
+    (tmp_path / "confkv" / "__init__.py").write_text("REVISION = 'baseline'\n")
+    (tmp_path / "benchmarks" / "__init__.py").write_text("")
+    (tmp_path / "benchmarks" / "engine.py").write_text("import confkv\nREVISION = confkv.REVISION\n")
+    script = (
+        "import sys, runpy\n"
+        "run = runpy.run_path('benchmarks/decode_step/run.py', run_name='measured')\n"
+        "assert 'confkv' in sys.modules\n"
+        f"run['use_code_of'](__import__('pathlib').Path({str(tmp_path)!r}))\n"
+        "import benchmarks.engine\n"
+        "print(benchmarks.engine.REVISION, benchmarks.engine.__file__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True)
+    revision, path = out.stdout.split()
+    assert revision == "baseline" and Path(path).is_relative_to(tmp_path)
 
 
 def test_stopping_the_benchmark_stops_its_measuring_child(tmp_path, default_path):

@@ -73,8 +73,8 @@ class RecordingObserver:
 @pytest.mark.parametrize("storage", [None, "int8"])
 def test_a_prefill_chunk_attends_to_key_only_entries_and_observes_its_last_queries(storage):
     """A chunk after a compaction that kept some entries KEY_ONLY (as a new turn's prompt after an
-    adopted compressed prefix): SDPA over the keys with the KEY_ONLY values first must be the
-    explicit softmax over both tiers, causal within the chunk, and the observed rows its last
+    adopted compressed prefix): its output is the softmax over both tiers (the KEY_ONLY entries
+    first, in the keys' order), causal within the chunk, and the observed rows are its last
     queries' probabilities, mean over heads."""
     kv_heads, group, head_dim, t, observe = 2, 3, 8, 5, 3
     store = KVStore(1, kv_heads, head_dim, max_bytes=10**7, storage=storage, key_only_bits=8)

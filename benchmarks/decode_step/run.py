@@ -24,6 +24,7 @@ Results: benchmarks/decode_step/results/decode_step.{json,md}.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import signal
@@ -98,14 +99,22 @@ class DecodeSteps:
         }
 
 
+def use_code_of(code_root: Path) -> None:
+    """Make every later import of the project and of the benchmark helpers come from `code_root`:
+    first on the path, and none of them left imported from this tree (the helpers of a revision
+    import that revision's packages, which were not always `confkv`)."""
+    sys.path.insert(0, str(code_root))
+    for name in [name for name in sys.modules if name.partition(".")[0] in ("benchmarks", "confkv")]:
+        del sys.modules[name]
+
+
 def measure(code_root: Path, setups: list[str], args: argparse.Namespace) -> dict:
     """Run the setups on the code at `code_root` (imported from there), their decode steps taking
     turns one step at a time, so that drift on this machine hits every setup alike; return their figures."""
-    sys.path.insert(0, str(code_root))
-    sys.path.insert(1, str(ROOT))  # the benchmark helpers, whatever the revision
     import torch
 
-    # Only now, so that the engine, compression and the model loader they use come from `code_root`.
+    use_code_of(code_root)
+    # Only now, so that the helpers, the engine, compression and the model loader come from `code_root`.
     from benchmarks.engine import advance, decoding_engine, is_pure_decode, load_with_predictor
 
     torch.set_num_threads(args.threads)
@@ -117,6 +126,9 @@ def measure(code_root: Path, setups: list[str], args: argparse.Namespace) -> dic
         setup: decoding_engine(model, tokenizer, future_value, SETUPS[setup], seqs, args.prompt_tokens, tokens)
         for setup in setups
     }
+    for engine in engines.values():
+        if not Path(inspect.getfile(type(engine))).resolve().is_relative_to(code_root.resolve()):
+            raise RuntimeError(f"the engine measured is {inspect.getfile(type(engine))}, not {code_root}'s")
     decoded = {setup: DecodeSteps() for setup in setups}
     shares: dict[str, dict] = {}
     bar = tqdm(total=len(setups) * seqs * tokens, desc=code_root.name, leave=False)
