@@ -171,6 +171,7 @@ class LiveServer:
         api_key: str | None = None,
         launcher: list[str] | None = None,
         cwd: Path = ROOT,
+        torch_threads: int = 2,
     ) -> None:
         """`launcher`: what starts the server (default: this checkout's serve.py), run in `cwd`."""
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -183,7 +184,7 @@ class LiveServer:
             "--port",
             str(self.port),
             "--torch-threads",
-            "2",
+            str(torch_threads),
             *args,
         ]
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"conf-kv-test-{self.port}.log"

@@ -117,7 +117,7 @@ def test_other_streams_keep_flowing_while_a_long_prompt_is_tokenized(tiny_model_
     huge = " ".join(words[(7 * i) % len(words)] for i in range(150_000))[:1_000_000]  # under the 1 MiB body limit
     # One torch thread: on a busy machine two threads wait on each other at every op, slowing the
     # stream's pace twentyfold while tokenizing barely slows, so the window would look too short.
-    server = LiveServer("--model-path", str(tiny_model_dir), "--max-cache-size", "64", "--torch-threads", "1")
+    server = LiveServer("--model-path", str(tiny_model_dir), "--max-cache-size", "64", torch_threads=1)
     arrivals: list[float] = []
     body = {"prompt": "Hello there", "max_tokens": 400, "ignore_eos": True, "stream": True}
 

@@ -189,14 +189,13 @@ def test_overload_pages_with_runbooks_a_full_prefix_pool_does_not_and_the_seed_l
     `healthy`, loaded after it: many short distinct chats that fill its 6 MiB prefix pool, SLOs of 60 s and 5 s.
     """
     # One torch thread each: torch's threads spin, and two servers must not oversubscribe a small machine.
-    common = ["--model-path", str(default_path), "--shutdown-grace-period", "0", "--torch-threads", "1"]
+    common = ["--model-path", str(default_path), "--shutdown-grace-period", "0"]
     with ThreadPoolExecutor(2) as starting:
-        overloaded_start = starting.submit(
-            LiveServer, *common, "--max-cache-size", "8", "--slo-tpot-seconds", "0.01", "--slo-min-requests", "1"
-        )
+        overloaded_args = ["--max-cache-size", "8", "--slo-tpot-seconds", "0.01", "--slo-min-requests", "1"]
+        overloaded_start = starting.submit(LiveServer, *common, *overloaded_args, torch_threads=1)
         # Its SLOs are ones any machine meets, however loaded: that they hold must not depend on its speed.
         healthy_slo = ["--slo-ttft-seconds", "60", "--slo-tpot-seconds", "5"]
-        healthy_start = starting.submit(LiveServer, *common, "--max-cache-size", "6", *healthy_slo)
+        healthy_start = starting.submit(LiveServer, *common, "--max-cache-size", "6", *healthy_slo, torch_threads=1)
         overloaded, healthy = overloaded_start.result(), healthy_start.result()
     a, b = overloaded.url.removeprefix("http://"), healthy.url.removeprefix("http://")
     webhook = WebhookLog(tmp_path)
