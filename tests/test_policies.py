@@ -123,9 +123,19 @@ def test_pooling_runs_over_neighbours_in_the_text_whatever_the_storage_order(n, 
     ("request_body", "field"),
     [
         ({"recent_window": 16}, "compression.recent_window"),  # a server setting, not a request's
-        ({"policy_options": {"snapkv": {"kernel": 7}}}, "compression.policy_options"),
-        ({"policy_options": {"magic": {}}}, "compression.policy_options"),
-        ({"policy_options": {"dynamic": {"pooling": "median"}}}, "compression.policy_options.pooling"),
+        ({"policy_options": {"snapkv": {"kernel": 7}}}, "compression.policy_options.snapkv.kernel"),
+        ({"policy_options": {"magic": {}}}, "compression.policy_options.magic"),
+        ({"policy_options": {"dynamic": {"pooling": "median"}}}, "compression.policy_options.dynamic.pooling"),
+        # values the schema once took and a compression could not use: each option's declared range
+        (
+            {"policy_options": {"dynamic": {"retention_kernel": 0}}},
+            "compression.policy_options.dynamic.retention_kernel",
+        ),
+        ({"policy_options": {"dynamic": {"kernel_size": 0}}}, "compression.policy_options.dynamic.kernel_size"),
+        ({"policy_options": {"snapkv": {"kernel_size": -5}}}, "compression.policy_options.snapkv.kernel_size"),
+        ({"policy_options": {"dynamic": {"decay": float("nan")}}}, "compression.policy_options.dynamic.decay"),
+        ({"policy_options": {"dynamic": {"decay": None}}}, "compression.policy_options.dynamic.decay"),
+        ({"compression_rate": float("inf")}, "compression.compression_rate"),
         ({"policy": "magic"}, "compression.policy"),
         ({"thresholds": {"high": 0.5}}, "compression.thresholds"),
         ({"prediction_window": 64}, "compression.prediction_window"),  # not the window the predictor learned

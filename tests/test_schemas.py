@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from confkv.compress.config import CompressionConfig, resolve
 from confkv.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from confkv.server.schemas import GenerateRequest
+from tests.strategies import compression_options, sampling_options
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
@@ -36,12 +40,24 @@ def test_any_json_object_validates_or_is_refused_with_a_validation_error(model, 
 @settings(max_examples=200, deadline=None)
 @given(
     prompt=st.text(min_size=1, max_size=50),
-    max_tokens=st.integers(1, 10_000),
-    temperature=st.floats(0, 10),
-    top_p=st.floats(0, 1, exclude_min=True),
+    sampling=sampling_options(),
+    compression=compression_options(),
     stop=st.lists(st.text(min_size=1, max_size=5), max_size=16),
 )
-def test_every_valid_generate_request_is_accepted(prompt, max_tokens, temperature, top_p, stop):
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "stop": stop}
+def test_every_request_within_the_declared_ranges_is_accepted_by_both_routes(prompt, sampling, compression, stop):
+    body = {"prompt": prompt, "stop": stop, "compression": compression, **sampling}
     request = GenerateRequest.model_validate(body)
-    assert (request.prompt, request.max_tokens, request.stop) == (prompt, max_tokens, stop)
+    assert (request.prompt, request.max_tokens, request.stop) == (prompt, sampling.get("max_tokens"), stop)
+    assert CompletionRequest.model_validate({**body, "model": "m"}).temperature == request.temperature
+    # and laid over the server's config it stays valid: nothing the schema takes is refused later
+    resolve(CompressionConfig(), compression, server_enabled=True, stats=False)
+
+
+@pytest.mark.parametrize("route", [GenerateRequest, CompletionRequest])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 1e400])
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "timeout", "repetition_penalty"])
+def test_numbers_json_cannot_hold_are_refused_naming_the_field(route, value, field):
+    with pytest.raises(ValidationError) as refused:
+        route.model_validate({"prompt": "a", "model": "m", field: value} if route is CompletionRequest else
+                             {"prompt": "a", field: value})  # fmt: skip
+    assert [e["loc"] for e in refused.value.errors()] == [(field,)]

@@ -124,7 +124,7 @@ class EngineReplica:
     def check_health(self) -> None:
         """Serve replaces a replica whose engine loop has stopped."""
         engine = self.app.state.engine
-        if not engine.is_running:
+        if not engine.is_alive:  # restarting after a crash is alive: it serves again within a step
             raise RuntimeError(f"the engine loop is not running: {engine.error!r}")
 
     async def __del__(self) -> None:

@@ -66,6 +66,7 @@ class Compressor:
         self.states: dict[int, SequenceState] = {}
         self.audit_bytes = 0
         self.hooks = CompressionHooks()
+        self._failed: dict[int, str] = {}  # seq_id -> error, of compressions that raised, until taken
 
     # ----- lifecycle ---------------------------------------------------------------------
     def register(self, seq_id: int, params: CompressionParams, prompt_len: int) -> None:
@@ -153,7 +154,7 @@ class Compressor:
         """Mark the chunks whose attention must be observed or audited in this step."""
         for chunk in chunks:
             state = self.states.get(chunk.seq_id)
-            if state is None or not state.params.active:
+            if state is None or not state.params.active or state.error is not None:
                 continue
             decode = state.prefilled and len(chunk.token_ids) == 1
             if not state.prefilled and chunk.needs_logits:
@@ -215,7 +216,7 @@ class Compressor:
         ready, not_due = [], []
         for seq in sequences:
             state = self.states.get(seq.seq_id)
-            if state is None or not state.params.active or seq.seq_id not in self.store:
+            if state is None or not state.params.active or state.error is not None or seq.seq_id not in self.store:
                 not_due.append(seq)
                 continue
             if seq.seq_id in sampled_confidence:
@@ -246,13 +247,21 @@ class Compressor:
             return []
         started = time.perf_counter()
         states = [(seq, self.states[seq.seq_id]) for seq in due]
-        predicted = self._predict([(seq, state) for seq, state in states if self._uses_predictor(state)])
+        try:
+            predicted = self._predict([(seq, state) for seq, state in states if self._uses_predictor(state)])
+        except Exception:  # NOTE: one sequence's fault must not fail the batch: each predicts alone below
+            log.exception("batched prediction failed for %d sequences; predicting each alone", len(states))
+            predicted = {}
         shared = (time.perf_counter() - started) / len(due)  # the batched prediction, shared out
         plans = []
         for seq, state in states:
             began = time.perf_counter()
-            self._note_spans(seq, state)
-            plan = self._plan(seq.seq_id, seq.num_computed, state, predicted.get(seq.seq_id))
+            try:
+                self._note_spans(seq, state)
+                plan = self._plan(seq.seq_id, seq.num_computed, state, predicted.get(seq.seq_id))
+            except Exception as exc:
+                self._fail(seq.seq_id, state, "planning", exc)
+                continue
             plan.seconds = shared + time.perf_counter() - began
             plans.append(plan)
         return plans
@@ -261,9 +270,24 @@ class Compressor:
         """Compact the sequences as `plan` decided; each then notes what it holds."""
         for plan in plans:
             began = time.perf_counter()
-            self._apply(plan)
+            try:
+                self._apply(plan)
+            except Exception as exc:
+                self._fail(plan.seq_id, plan.state, "compaction", exc)
+                continue
             plan.state.seconds += plan.seconds + time.perf_counter() - began
             self._note_ratio(plan.seq_id, plan.num_tokens)
+
+    def take_failures(self) -> dict[int, str]:
+        """The sequences whose compression raised since the last call, and why: the caller ends their
+        requests (with an error) and so frees their memory; until then they are no longer compressed."""
+        failed, self._failed = self._failed, {}
+        return failed
+
+    def _fail(self, seq_id: int, state: SequenceState, stage: str, exc: Exception) -> None:
+        log.exception("compression %s failed for sequence %d; its request ends with an error", stage, seq_id)
+        state.error = f"compression failed ({stage}): {exc!r}; the request's compression settings may be at fault"
+        self._failed[seq_id] = state.error
 
     def _note_ratio(self, seq_id: int, num_tokens: int) -> None:
         """What a decoding sequence that asked for statistics holds now, for mean_compression_ratio."""
@@ -286,11 +310,15 @@ class Compressor:
                 if state is None or not state.params.active or not state.prefilled or seq.seq_id not in self.store:
                     continue
                 current = state.rate
-                if current >= self.pressure_ceiling:
+                if current >= self.pressure_ceiling or state.error is not None:
                     continue
                 state.pressure_rate = min(self.pressure_ceiling, current + self.pressure_step)
-                self._note_spans(seq, state)
-                self.compress(seq.seq_id, seq.num_computed, state)
+                try:
+                    self._note_spans(seq, state)
+                    self.compress(seq.seq_id, seq.num_computed, state)
+                except Exception as exc:
+                    self._fail(seq.seq_id, state, "squeezing", exc)
+                    continue
                 self.squeezes += 1
                 squeezed = True
                 if self.store.used_bytes < before:

@@ -13,25 +13,69 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
     ValidationError,
     create_model,
     field_validator,
     model_validator,
 )
 from pydantic.fields import FieldInfo
+from pydantic_core import InitErrorDetails, PydanticCustomError, core_schema
 
 from confkv import CONFIG_DIR
-from confkv.compress.scoring import NO_COMPRESSION, ScorePolicy, make_policy, policy_names
+from confkv.compress.scoring import NO_COMPRESSION, POLICIES, ScorePolicy, make_policy, options_model, policy_names
 from confkv.compress.spans import RetentionUnit
 
 DEFAULT_FILE = CONFIG_DIR / "compression.json"
+
+
+class _PolicyOptions:
+    """`policy_options`: {policy name: {option: value}}, each policy's options validated as its
+    fields declare them (`confkv.compress.scoring`), an error located at the option. Its JSON schema
+    lists the policies registered when the schema is made (policies may be registered after import)."""
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        return core_schema.no_info_after_validator_function(self._validate, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler) -> dict:
+        properties = {
+            name: handler(options_model(policy).__pydantic_core_schema__) for name, policy in POLICIES.items()
+        }
+        return {"type": "object", "properties": properties, "additionalProperties": False}
+
+    @staticmethod
+    def _validate(options: dict[str, dict]) -> dict[str, dict]:
+        errors = []
+        for name, values in options.items():
+            if name not in POLICIES:
+                message = f"unknown policy {name!r}: policies with options are {', '.join(POLICIES)}"
+                errors.append(
+                    InitErrorDetails(type=PydanticCustomError("unknown_policy", message), loc=(name,), input=values)
+                )
+                continue
+            try:
+                options_model(POLICIES[name]).model_validate(values)
+            except ValidationError as error:
+                errors.extend(
+                    InitErrorDetails(
+                        type=PydanticCustomError(e["type"], e["msg"]), loc=(name, *e["loc"]), input=e["input"]
+                    )
+                    for e in error.errors(include_url=False)
+                )
+        if errors:
+            raise ValidationError.from_exception_data("policy_options", errors)
+        return options
+
+
+PolicyOptions = Annotated[dict[str, dict[str, Any]], _PolicyOptions()]
 
 StorageDtype = Literal["auto", "float32", "float16", "bfloat16", "int8", "int4", "kivi4"]
 
@@ -39,7 +83,7 @@ StorageDtype = Literal["auto", "float32", "float16", "bfloat16", "int8", "int4",
 class Thresholds(BaseModel):
     """Retention confidence thresholds (seed 002): >= high stays FULL, >= medium KEY_ONLY, below is dropped."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     high: float = Field(0.9, ge=0.0, le=1.0, description="an entry at or above this retention confidence stays FULL")
     medium: float = Field(
         0.7, ge=0.0, le=1.0, description="at or above this (below high) an entry is kept KEY_ONLY; below, dropped"
@@ -69,11 +113,12 @@ class Thresholds(BaseModel):
 class CompressionSettings(BaseModel):
     """What a request may choose; the config file gives the defaults."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
     policy: str = Field("dynamic", description=f"one of {', '.join(policy_names())}; `none` does not compress")
-    policy_options: dict[str, dict[str, float | int | bool | str]] = Field(
+    policy_options: PolicyOptions = Field(
         default_factory=dict,
-        description='parameters of policies by policy name (a policy\'s fields), e.g. {"snapkv": {"kernel_size": 7}}',
+        description='parameters of policies by policy name (a policy\'s fields), e.g. {"snapkv": {"kernel_size": 7}}: '
+        "see the policy options table",
     )
     compression_rate: float = Field(0.6, ge=0.0, lt=1.0, description="share of KV bytes to remove")
     thresholds: Thresholds = Field(
@@ -127,13 +172,6 @@ class CompressionSettings(BaseModel):
         if name not in policy_names():
             raise ValueError(f"unknown policy {name!r}: use one of {', '.join(policy_names())}")
         return name
-
-    @field_validator("policy_options")
-    @classmethod
-    def _known_options(cls, options: dict[str, dict]) -> dict[str, dict]:
-        for name, values in options.items():
-            make_policy(name, values)  # raises on an unknown policy or option
-        return options
 
 
 class CompressionConfig(CompressionSettings):
@@ -213,7 +251,7 @@ def _optional(field: FieldInfo) -> tuple[Any, FieldInfo]:
 
 CompressionOptions = create_model(
     "CompressionOptions",
-    __config__=ConfigDict(extra="forbid", populate_by_name=True),
+    __config__=ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False),
     __doc__="Per-request compression settings; anything left out comes from the server's config.",
     enabled=(bool | None, Field(None, description="false serves this request uncompressed")),
     **{name: _optional(field) for name, field in CompressionSettings.model_fields.items()},

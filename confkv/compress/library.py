@@ -191,6 +191,9 @@ class DynamicKVCompressor(Cache):
             confidence = {} if self._pending_confidence is None else {SEQ_ID: self._pending_confidence}
             seq.token_ids.extend(new)
             self.compressor.after_step([seq], confidence)
+            failed = self.compressor.take_failures()
+            if failed:  # in a library one sequence is the whole run: stop it, with why
+                raise RuntimeError(failed[SEQ_ID])
         start = seq.num_computed
         positions = torch.arange(start, start + len(new), device=input_ids.device)
         self.store.reserve(SEQ_ID, len(new))

@@ -7,18 +7,23 @@ value predictor, allow KEY_ONLY) are class properties. The engine does the rest:
 attention, turning scores into tiers under the budget, compacting.
 
 A subclass that sets `name` is registered: that name is what requests and config files accept
-(`policy`), and its fields are the options they may set (`policy_options: {name: {...}}`).
+(`policy`), and its fields are the options they may set (`policy_options: {name: {...}}`). An
+option is declared once, as its field: its type with its range and meaning (`Option`), from which
+the request schema, the config file's validation, the docs' table and the fuzzer's requests all
+come, so that no value a request may send fails later, inside a compression.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import typing
+from dataclasses import MISSING, dataclass, fields
 from functools import cache
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, create_model
+from pydantic.fields import FieldInfo
 
 if TYPE_CHECKING:
     from confkv.compress.predictor.calibration import Calibration
@@ -43,6 +48,18 @@ class LayerEntries:
         """What an entry is expected to be worth: the predictor's forecast when it ran, else the observed attention."""
         return self.attention if self.predicted is None else self.predicted
 
+
+# Widest pooling a policy may ask for: a sentence or two either side; wider costs time for nothing.
+MAX_KERNEL = 1025
+
+
+def Option(description: str, **bounds: float) -> FieldInfo:  # noqa: N802 (read as a type's metadata)
+    """A policy option's range and meaning, as `Annotated` metadata on its field (a number with
+    bounds is finite)."""
+    return Field(description=description, **bounds, **({"allow_inf_nan": False} if bounds else {}))
+
+
+Kernel = Annotated[int, Option("neighbouring positions pooled, centred on the entry", ge=1, le=MAX_KERNEL)]
 
 POLICIES: dict[str, type[ScorePolicy]] = {}  # name -> policy class, filled as subclasses are defined
 NO_COMPRESSION = "none"  # the policy name that turns compression off for a request
@@ -121,7 +138,7 @@ class SnapKV(ScorePolicy):
     """Attention of the latest observation window, pooled over neighbouring positions."""
 
     name = "snapkv"
-    kernel_size: int = 5
+    kernel_size: Kernel = 5
 
     def accumulate(self, previous: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
         return observed
@@ -174,13 +191,23 @@ class Dynamic(ScorePolicy):
     name = "dynamic"
     uses_tiers = True
     uses_predictor = True
-    thresholds_decide: bool = True  # a field here: requests may turn it off (policy_options)
-    decay: float = 0.95  # per observation
-    kernel_size: int = 7
-    pooling: Literal["avg", "max"] = "avg"  # over `kernel_size` neighbours in the text
-    retention_kernel: int = 3  # the thresholds judge an entry with its neighbours: the likeliest of this many
-    doubt_weight: float = 0.5
-    confident_extra_rate: float = 0.1  # share of the remaining bytes also removed while the model is confident
+    thresholds_decide: Annotated[
+        bool, Option("its retention confidence and the thresholds decide the bytes held; false: the rate alone")
+    ] = True
+    decay: Annotated[float, Option("observed attention kept per observation (older observations fade)", gt=0, le=1)] = (
+        0.95
+    )
+    kernel_size: Kernel = 7
+    pooling: Annotated[Literal["avg", "max"], Option("how a score is pooled over `kernel_size` neighbours")] = "avg"
+    retention_kernel: Annotated[
+        int, Option("the thresholds judge an entry by the likeliest of this many around it", ge=1, le=MAX_KERNEL)
+    ] = 3
+    doubt_weight: Annotated[
+        float, Option("raise of a token sampled in doubt (top-token probability 0)", ge=0, le=100)
+    ] = 0.5
+    confident_extra_rate: Annotated[
+        float, Option("share of the bytes the rate leaves also removed while the model is confident", ge=0, le=1)
+    ] = 0.1
 
     def accumulate(self, previous: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
         return self.decay * previous + observed
@@ -229,15 +256,37 @@ def _pool(x: torch.Tensor, positions: torch.Tensor, kernel: int, kind: Literal["
 
 
 def make_policy(name: str, options: dict[str, Any] | None = None) -> ScorePolicy:
-    """The registered policy `name` with `options` over its defaults; unknown names or options raise."""
+    """The registered policy `name` with `options` over its defaults; unknown names or options, and
+    values outside an option's declared range, raise (a `ValueError`; pydantic's, naming the option,
+    for a value)."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}: use one of {', '.join(policy_names())}")
-    known = [f.name for f in fields(POLICIES[name])]
+    known = list(option_fields(POLICIES[name]))
     unknown = sorted(set(options or {}) - set(known))
     if unknown:
         takes = ", ".join(known) if known else "none"
         raise ValueError(f"policy {name!r} has no option {', '.join(map(repr, unknown))} (its options: {takes})")
-    return _adapter(POLICIES[name]).validate_python(options or {})  # checks the options' types
+    return _adapter(POLICIES[name]).validate_python(options or {})  # checks the options' types and ranges
+
+
+def option_fields(policy: type[ScorePolicy]) -> dict[str, FieldInfo]:
+    """A policy's options as pydantic fields: type, range, default and meaning, as declared."""
+    hints = typing.get_type_hints(policy, include_extras=True)
+    return {
+        f.name: FieldInfo.from_annotated_attribute(hints[f.name], f.default if f.default is not MISSING else ...)
+        for f in fields(policy)
+    }
+
+
+@cache
+def options_model(policy: type[ScorePolicy]) -> type[BaseModel]:
+    """What `policy_options.{name}` accepts, as a model: every option optional (left out, not null),
+    none other (the request schema's part for this policy)."""
+    optional = {}
+    for name, field in option_fields(policy).items():
+        optional[name] = (field.annotation, FieldInfo.merge_field_infos(field, default=None))
+    config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    return create_model(f"{policy.__name__}Options", __config__=config, **optional)
 
 
 @cache

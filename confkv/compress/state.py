@@ -75,6 +75,7 @@ class SequenceState:
     layer_weights: torch.Tensor | None = None  # adaptive layer budgets: each layer's share (mean 1), when scored
     history: TierHistory | None = None  # each compression's tiers, for requests that ask (`inspect`)
     spans: torch.Tensor | None = None  # the span of each position (`retention_unit`), as of the last compression
+    error: str | None = None  # why its compression failed: it is no longer compressed, and its request ends
 
     @property
     def rate(self) -> float:

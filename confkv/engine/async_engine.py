@@ -3,6 +3,13 @@
 The HTTP side never touches the engine: it sends commands (add, abort, snapshot) through a
 thread-safe inbox and reads `RequestOutput`s from an asyncio queue per request. A request whose consumer goes away
 (client disconnect, cancelled task) is aborted and its KV memory is returned.
+
+The loop is supervised. A request's own failure ends that request inside the step (`LLMEngine`);
+should a step raise anyway, every request in flight gets an error, the engine is reset (every
+request ended, the prefix cache emptied, every byte checked back) and the loop goes on, up to
+`max_restarts` times. Past that, or if the reset finds memory unaccounted for, the loop is dead:
+`error` says why, `on_dead` is told (the server exits non-zero so that its orchestrator restarts
+it), and requests are refused with `EngineDeadError`.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import torch
 from confkv.compress.config import CompressionParams
 from confkv.engine.llm_engine import EngineSnapshot, LLMEngine, StepStats
 from confkv.engine.outputs import RequestOutput
-from confkv.engine.sequence import SamplingParams
+from confkv.engine.sequence import FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +60,30 @@ class _Snapshot:
     answer: concurrent.futures.Future
 
 
+@dataclass
+class _CutOff:
+    error: str
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_step: Callable[[StepStats], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_step: Callable[[StepStats], None] | None = None,
+        max_restarts: int = 0,
+        on_dead: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.llm_engine = engine
         self.on_step = on_step
+        self.max_restarts = max_restarts
+        self.on_dead = on_dead
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # why the loop died for good
+        self.restarts = 0  # times the loop was reset and went on after a step raised
+        self.restarting = False  # between a crash and the reset's end: not ready, still alive
         # Unix time of the loop's last pass; it stops moving when a step hangs or the loop dies.
         self.heartbeat = time.time()
         self._last_snapshot = engine.snapshot()
@@ -78,13 +100,20 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     @property
-    def is_running(self) -> bool:
+    def is_alive(self) -> bool:
+        """The loop runs or is being reset after a crash (liveness)."""
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
+    @property
+    def is_running(self) -> bool:
+        """The loop runs and takes requests now (readiness)."""
+        return self.is_alive and not self.restarting
+
     def check_running(self) -> None:
-        """Raise EngineDeadError unless the loop is running (before a request is accepted, so that a
-        stream is refused before its first byte, not cut after it)."""
-        if not self.is_running:
+        """Raise EngineDeadError unless the loop is alive (before a request is accepted, so that a
+        stream is refused before its first byte, not cut after it). A request sent while the loop
+        is being reset waits in the inbox and is served after."""
+        if not self.is_alive:
             raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
 
     def snapshot(self, timeout: float = 0.2) -> EngineSnapshot:
@@ -99,6 +128,11 @@ class AsyncEngine:
         with contextlib.suppress(concurrent.futures.TimeoutError):
             return query.answer.result(timeout)
         return self._last_snapshot
+
+    def cut_off(self, error: str) -> None:
+        """End every request in flight now (shutdown past its grace period): each gets a final
+        output, finish reason `abort` with `error`, and its memory comes back."""
+        self._inbox.put(_CutOff(error))
 
     # ----- requests ----------------------------------------------------------------------
     async def generate(
@@ -128,22 +162,54 @@ class AsyncEngine:
 
     # ----- the loop thread ---------------------------------------------------------------
     def _run(self) -> None:
+        while True:
+            try:
+                with torch.inference_mode():
+                    self._loop()
+                return  # stopped
+            except BaseException as exc:  # the loop must never die silently
+                log.exception("engine loop crashed")
+                if self._recovered(exc):
+                    continue
+                self.error = exc
+                self._fail_in_flight(f"engine loop crashed: {exc!r}; the server is exiting, retry after its restart")
+                if self.on_dead is not None:
+                    self.on_dead(exc)
+                return
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self.heartbeat = time.time()
+            self._drain_inbox(block=not self.llm_engine.has_unfinished())
+            if self.llm_engine.has_unfinished():
+                outputs = self.llm_engine.step()
+                self._dispatch(outputs)
+                if self.on_step and self.llm_engine.last_step:
+                    self.on_step(self.llm_engine.last_step)
+
+    def _recovered(self, exc: BaseException) -> bool:
+        """Fail the requests in flight and reset the engine, if restarts are left; True if it may go on."""
+        if self.restarts >= self.max_restarts or not isinstance(exc, Exception):
+            return False
+        self.restarting = True
         try:
+            reason = f"engine loop crashed: {exc!r}; the engine restarted, retry the request"
+            self._fail_in_flight(reason)
             with torch.inference_mode():
-                while not self._stopping.is_set():
-                    self.heartbeat = time.time()
-                    self._drain_inbox(block=not self.llm_engine.has_unfinished())
-                    if self.llm_engine.has_unfinished():
-                        outputs = self.llm_engine.step()
-                        self._dispatch(outputs)
-                        if self.on_step and self.llm_engine.last_step:
-                            self.on_step(self.llm_engine.last_step)
-        except BaseException as exc:  # the loop must never die silently
-            log.exception("engine loop crashed")
-            self.error = exc
-            for request_id, (loop, stream) in list(self._streams.items()):
-                _send(loop, stream, self._lost(request_id, f"engine loop crashed: {exc!r}; restart the server"))
-            self._streams.clear()
+                self.llm_engine.reset(reason)
+        except Exception:
+            log.exception("the engine could not be reset after the crash")
+            return False
+        finally:
+            self.restarting = False
+        self.restarts += 1
+        log.error("engine loop restarted (%d of %d restarts) after: %r", self.restarts, self.max_restarts, exc)
+        return True
+
+    def _fail_in_flight(self, error: str) -> None:
+        for request_id, (loop, stream) in list(self._streams.items()):
+            _send(loop, stream, self._lost(request_id, error))
+        self._streams.clear()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -159,6 +225,8 @@ class AsyncEngine:
             elif isinstance(item, _Snapshot):
                 self._last_snapshot = self.llm_engine.snapshot()
                 item.answer.set_result(self._last_snapshot)
+            elif isinstance(item, _CutOff):
+                self._cut_off(item.error)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -170,6 +238,13 @@ class AsyncEngine:
         except Exception as exc:  # a bad request fails alone
             self._streams.pop(cmd.request_id, None)
             _send(cmd.loop, cmd.stream, exc)
+
+    def _cut_off(self, error: str) -> None:
+        for request_id, target in list(self._streams.items()):
+            out = self.llm_engine.abort(request_id) or self._lost(request_id, error)
+            out.finish_reason, out.error = FinishReason.ABORT, error
+            _send(*target, out)
+        self._streams.clear()
 
     def _lost(self, request_id: str, error: str) -> RequestOutput:
         """The final output of a request in flight when the loop stopped: it failed, with what it had."""

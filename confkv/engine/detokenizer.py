@@ -47,8 +47,22 @@ class IncrementalDetokenizer:
         return True
 
     def delta(self, final: bool) -> str:
-        """Text not yet sent; while not final, keep back what could begin a stop string."""
-        end = len(self.text) if final else max(self._sent, len(self.text) - self._holdback)
+        """Text not yet sent; while not final, keep back the end of the text that could begin a stop string."""
+        end = len(self.text) if final else max(self._sent, len(self.text) - self._could_begin_stop())
         out = self.text[self._sent : end]
         self._sent = end
         return out
+
+    def _could_begin_stop(self) -> int:
+        """Characters at the text's end that are the start of some stop string (the longest such end);
+        only these need holding back, however long the stop strings are."""
+        longest = 0
+        for stop in self._stop:
+            tail = self.text[len(self.text) - min(len(stop) - 1, len(self.text)) :]
+            start = tail.find(stop[0])
+            while start != -1 and len(tail) - start > longest:
+                if stop.startswith(tail[start:]):
+                    longest = len(tail) - start
+                    break
+                start = tail.find(stop[0], start + 1)
+        return longest

@@ -58,6 +58,9 @@ class StepStats:
     compression_background_s: float = 0.0  # compression planned beside the forward pass (`async_compression`)
     queue_s: list[float] = field(default_factory=list)  # waits of the sequences admitted in this step
     num_out_of_memory: int = 0  # requests failed for want of KV memory (too big, or an OOM in the forward)
+    # Requests failed alone by an exception in their own work, by stage (forward, sampling,
+    # detokenization, compression); the others in the step went on.
+    failures: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,7 @@ class LLMEngine:
         self.last_step: StepStats | None = None
         self.worker = CompressionWorker(self.compression.plan, self.store.device) if config.async_compression else None
         self._due: list[Sequence] = []  # compressions due at the end of the last step (`async_compression`)
+        self._failures: dict[str, int] = {}  # this step's requests failed alone, by stage (`StepStats.failures`)
 
     # ----- requests ----------------------------------------------------------------------
     def add_request(
@@ -189,6 +193,24 @@ class LLMEngine:
         self.scheduler.finish(seq, FinishReason.ABORT)
         outputs = self.outputs.drain()  # between steps, only the abort's own
         return outputs[-1]
+
+    def reset(self, reason: str) -> None:
+        """After a step raised: end every request with `reason`, empty the prefix cache (a step cut
+        short may have left any KV half written), and check that every byte came back. Raises
+        `RuntimeError` if not: then the engine cannot go on and the process must be restarted."""
+        self._due = []
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            self.scheduler.finish(seq, FinishReason.ERROR, reason)
+        self.outputs.drain()  # their final outputs: the engine loop told their clients already
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        self.compression.take_failures()
+        held = {name: len(pool.refs) for name, pool in self.store.allocator.pools.items() if pool.refs}
+        if self.store.used_bytes or held or self.compression.states:
+            raise RuntimeError(
+                f"after ending every request {self.store.used_bytes} bytes of KV are still counted, blocks still "
+                f"held by pool {held}, {len(self.compression.states)} sequences still tracked"
+            )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -269,7 +291,9 @@ class LLMEngine:
             compression_s = time.perf_counter() - waited
         if sched.chunks:
             compression_s += self._postprocess(sched, logits)
+        self._end_failed_compressions()
         outputs = self.outputs.drain()
+        failures, self._failures = self._failures, {}
         self.last_step = StepStats(
             time.perf_counter() - started,
             len(sched.chunks),
@@ -279,6 +303,7 @@ class LLMEngine:
             background_s,
             [seq.first_scheduled_time - seq.arrival_time for seq in sched.admitted],
             out_of_memory,
+            failures,
         )
         return outputs
 
@@ -311,7 +336,7 @@ class LLMEngine:
             log.exception("forward pass failed for %d sequences", len(sched.sequences))
             out_of_memory = len(sched.sequences) if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) else 0
             for seq in sched.sequences:
-                self.scheduler.finish(seq, FinishReason.ERROR, f"model forward failed: {exc}")
+                self._fail(seq, "forward", f"model forward failed: {exc}")
             sched.sequences, sched.chunks = [], []
             return None, out_of_memory
 
@@ -328,7 +353,7 @@ class LLMEngine:
             params = [s.params for s in sampled]
             looks_back = any(p.repetition_penalty != 1.0 or p.min_tokens for p in params)
             histories = [self._history(s) for s in sampled] if looks_back else None
-            results = sample(logits, params, [s.generator for s in sampled], histories)
+            results = self._sample(logits, sampled, params, histories)
             for seq, result in zip(sampled, results, strict=True):
                 confidence[seq.seq_id] = result.top_prob
                 self._append_token(seq, result)
@@ -344,6 +369,37 @@ class LLMEngine:
             return time.perf_counter() - started
 
     # ----- internals ---------------------------------------------------------------------
+    def _fail(self, seq: Sequence, stage: str, error: str) -> None:
+        """End one request with an error from its own work; its memory comes back, the others go on."""
+        self._failures[stage] = self._failures.get(stage, 0) + 1
+        self.scheduler.finish(seq, FinishReason.ERROR, error)
+
+    def _end_failed_compressions(self) -> None:
+        failed = self.compression.take_failures()
+        if not failed:
+            return
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if seq.seq_id in failed and not seq.is_finished:
+                self._fail(seq, "compression", failed[seq.seq_id])
+
+    def _sample(
+        self, logits: torch.Tensor, sampled: list[Sequence], params: list[SamplingParams], histories: list | None
+    ) -> list[SampleOutput]:
+        """The batch sampled at once; should that raise, row by row, so that the row at fault fails alone."""
+        generators = [s.generator for s in sampled]
+        try:
+            return sample(logits, params, generators, histories)
+        except Exception:
+            log.exception("sampling a batch of %d failed; sampling row by row", len(sampled))
+        results = []
+        for i in range(len(sampled)):
+            try:
+                history = [histories[i]] if histories is not None else None
+                results.extend(sample(logits[i : i + 1], [params[i]], [generators[i]], history))
+            except Exception as exc:
+                results.append(SampleOutput(None, 0.0, f"sampling failed: {exc!r}"))
+        return results
+
     def _park_prompts(self, sequences: list[Sequence]) -> None:
         """Park the prompt KV of the compressing sequences whose prefill just ended, before their
         query-aware compression (a request that does not compress is parked whole as it finishes)."""
@@ -391,7 +447,7 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, result: SampleOutput) -> None:
         if result.token_id is None:
-            self.scheduler.finish(seq, FinishReason.ERROR, result.error)
+            self._fail(seq, "sampling", result.error)
             return
         token = result.token_id
         seq.token_ids.append(token)
@@ -403,7 +459,7 @@ class LLMEngine:
                 if self.outputs.detokenize(seq, token):
                     reason = FinishReason.STOP
             except Exception as exc:
-                self.scheduler.finish(seq, FinishReason.ERROR, f"detokenization failed: {exc}")
+                self._fail(seq, "detokenization", f"detokenization failed: {exc}")
                 return
             if reason is None and (
                 len(seq.output_token_ids) >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len

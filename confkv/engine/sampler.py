@@ -53,6 +53,7 @@ def sample(
     finite = torch.isfinite(logits).all(dim=-1)
     shaped = _shaped(logits, params, histories) if histories is not None else logits
     logprobs = torch.log_softmax(shaped / temperatures.unsqueeze(1), dim=-1)
+    finite &= ~torch.isnan(logprobs).any(dim=-1)  # a penalty or temperature that overflowed the logits
     probs = logprobs.exp()
     top_prob, greedy_ids = probs.max(dim=-1)
     # One transfer for the whole batch; the per-row work below stays on the host.
@@ -61,7 +62,7 @@ def sample(
     outputs = []
     for row, (p, gen) in enumerate(zip(params, generators, strict=False)):
         if not finite[row]:
-            outputs.append(SampleOutput(None, 0.0, "the model produced non-finite logits"))
+            outputs.append(SampleOutput(None, 0.0, "the logits were not finite (the model's, or after the penalties)"))
             continue
         try:
             token = int(greedy_ids[row]) if p.greedy else _draw(logprobs[row], p, gen)

@@ -156,9 +156,11 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        for listener in self.listeners:
-            listener.finished(seq)
-        self.store.free(seq.seq_id)
+        try:
+            for listener in self.listeners:
+                listener.finished(seq)
+        finally:  # memory comes back whatever a listener did
+            self.store.free(seq.seq_id)
 
     # ----- internals ---------------------------------------------------------------------
     @staticmethod

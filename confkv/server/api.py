@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -37,6 +38,7 @@ from confkv.server.middleware import (
 )
 from confkv.server.openai_api import router as openai_router
 from confkv.server.openai_serving import OpenAIService
+from confkv.server.request_body import CheckedRoute
 from confkv.server.schemas import ErrorResponse, GenerateRequest, GenerateResponse, HealthStatus
 from confkv.server.serving import APIError, GenerateService
 from confkv.server.settings import Settings
@@ -152,7 +154,14 @@ def _lifespan(settings: Settings) -> Callable[[FastAPI], AbstractAsyncContextMan
         metrics = Metrics()
         engine = build_engine(settings)
         metrics.set_slo(settings.slo_ttft_seconds, settings.slo_tpot_seconds, settings.slo_min_requests)
-        loop = AsyncEngine(engine, on_step=metrics.observe_step)
+        loop = AsyncEngine(
+            engine,
+            on_step=metrics.observe_step,
+            max_restarts=settings.engine_max_restarts,
+            on_dead=lambda error: app.state.on_engine_dead(error),
+        )
+        if not hasattr(app.state, "on_engine_dead"):  # set by the process that serves the app (`main`)
+            app.state.on_engine_dead = lambda error: log.critical("the engine loop is dead: %r", error)
         metrics.bind_engine(loop.snapshot, engine.store.device)
         metrics.bind_loop(loop)
         loop.start()
@@ -170,17 +179,18 @@ def _lifespan(settings: Settings) -> Callable[[FastAPI], AbstractAsyncContextMan
 
 
 def _add_middleware(app: FastAPI, settings: Settings) -> None:
-    # Outermost last: the size limit and the key check answer before any body is parsed.
-    if settings.cors_allow_origins:
-        app.add_middleware(
-            CORSMiddleware, allow_origins=settings.cors_allow_origins, allow_methods=["*"], allow_headers=["*"]
-        )
+    # Outermost last: the size limit and the key check answer before any body is parsed; CORS outside
+    # them all, since a browser's preflight carries no key, and a refusal needs CORS headers to be read.
     keys = settings.api_keys()
     if keys:
         open_paths = {"/health"} | ({"/metrics"} if settings.public_metrics else set())
         app.add_middleware(APIKeyMiddleware, keys=keys, open_paths=open_paths, browser_paths={"/inspect"})
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(JSONBodyMiddleware)
+    if settings.cors_allow_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=settings.cors_allow_origins, allow_methods=["*"], allow_headers=["*"]
+        )
 
 
 # ----- errors ---------------------------------------------------------------------------------
@@ -196,7 +206,8 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
     request.app.state.metrics.requests.labels("503").inc()  # counted, so the 5xx alert sees a dead engine
-    return _error(request, 503, "engine_unavailable", f"{exc}; restart the server", {"Retry-After": "5"})
+    message = f"{exc}; the server exits to be restarted (restart it if nothing does), then retry"
+    return _error(request, 503, "engine_unavailable", message, {"Retry-After": "5"})
 
 
 async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -217,7 +228,7 @@ def _service(request: Request) -> GenerateService:
     return request.app.state.service
 
 
-router = APIRouter()
+router = APIRouter(route_class=CheckedRoute)
 _HEALTH_503 = {503: {"model": HealthStatus, "description": "the engine is not serving"}}
 
 
@@ -240,6 +251,8 @@ async def health(request: Request):
 @router.get("/ready", response_model=HealthStatus, response_model_exclude_none=True, responses=_HEALTH_503)
 async def ready(request: Request):
     engine: AsyncEngine | None = getattr(request.app.state, "engine", None)
+    if engine is not None and engine.restarting:
+        return JSONResponse(status_code=503, content={"status": "restarting"})
     if engine is None or not engine.is_running:
         return JSONResponse(status_code=503, content={"status": "not_ready"})
     if request.app.state.service.draining:
@@ -286,5 +299,11 @@ def _error(
 
 
 def _jsonable(errors: list[dict]) -> list:
-    # pydantic puts the raised exception object into ctx and raw bytes into input; make both text.
-    return jsonable_encoder(errors, custom_encoder={BaseException: str, bytes: lambda b: b.decode(errors="replace")})
+    # pydantic puts the raised exception object into ctx and raw bytes into input; make both text, and
+    # the numbers JSON cannot write (NaN, Infinity: a refused input echoed) text too.
+    encoders = {BaseException: str, bytes: lambda b: b.decode(errors="replace"), float: _finite_or_text}
+    return jsonable_encoder(errors, custom_encoder=encoders)
+
+
+def _finite_or_text(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)

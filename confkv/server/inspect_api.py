@@ -8,12 +8,13 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
+from confkv.server.request_body import CheckedRoute
 from confkv.server.schemas import ErrorResponse, InspectionResponse
 
 # Plain HTML, CSS and JS, no build step; beside the server's code, not in it.
 PAGE = Path(__file__).resolve().parent / "web" / "inspect"
 
-router = APIRouter(prefix="/inspect", tags=["Cache inspector"])
+router = APIRouter(prefix="/inspect", tags=["Cache inspector"], route_class=CheckedRoute)
 assets = StaticFiles(directory=PAGE, check_dir=False)
 
 

@@ -17,6 +17,7 @@ from confkv.server.serving import GenerateService
 from confkv.server.settings import load_settings
 
 log = logging.getLogger("conf_kv")
+CUT_OFF_S = 2.0  # after the grace period: how long the cut-off requests' last answers may take to go out
 
 
 class GracefulServer(uvicorn.Server):
@@ -28,6 +29,15 @@ class GracefulServer(uvicorn.Server):
         self.app = app
         self.grace_s = grace_s
         self.draining = False
+        self.exit_code = 0
+        app.state.on_engine_dead = self.engine_died
+
+    def engine_died(self, error: BaseException) -> None:
+        """The engine loop is dead for good (`AsyncEngine`): exit non-zero, so that the orchestrator
+        (Docker's restart policy, Kubernetes, systemd) starts a fresh process."""
+        log.critical("the engine loop is dead (%r): exiting with status 1 to be restarted", error)
+        self.exit_code = 1
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame) -> None:
         service = getattr(self.app.state, "service", None)
@@ -43,6 +53,13 @@ class GracefulServer(uvicorn.Server):
             time.sleep(0.1)
         if service.admitted:
             log.warning("grace period over with %d requests unfinished; they are cut off", len(service.admitted))
+            service.engine.cut_off(
+                f"the server is shutting down and its grace period ({self.grace_s:g} s) is over; retry on another "
+                "replica or after the restart"
+            )
+            deadline = time.monotonic() + CUT_OFF_S  # their final events and error answers go out first
+            while service.admitted and time.monotonic() < deadline:
+                time.sleep(0.05)
         self.should_exit = True
 
 
@@ -63,7 +80,10 @@ def main(argv: list[str] | None = None) -> None:
         log_level=settings.log_level,
         timeout_graceful_shutdown=5,  # for connections still open once the requests are done
     )
-    GracefulServer(config, app, settings.shutdown_grace_period).run()
+    server = GracefulServer(config, app, settings.shutdown_grace_period)
+    server.run()
+    if server.exit_code:
+        sys.exit(server.exit_code)
 
 
 if __name__ == "__main__":

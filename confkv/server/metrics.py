@@ -91,6 +91,13 @@ class Metrics:
             "Requests failed for want of KV memory: larger than max_cache_size, or out of memory in the forward",
             registry=r,
         )
+        self.request_failures = Counter(
+            "engine_request_failures",
+            "Requests the engine failed alone, by the stage of their own work that raised (forward, sampling, "
+            "detokenization, compression); the engine and the other requests went on",
+            ["stage"],
+            registry=r,
+        )
         self.compression_ratio = Histogram(
             "kv_compression_ratio",
             "Per finished compressed request: compressed_size / original_size",
@@ -171,6 +178,8 @@ class Metrics:
             self.preemptions.inc(stats.num_preempted)
         if stats.num_out_of_memory:
             self.oom_errors.inc(stats.num_out_of_memory)
+        for stage, count in stats.failures.items():
+            self.request_failures.labels(stage).inc(count)
         if stats.compression_s:
             self.compression_time.observe(stats.compression_s)
         if stats.compression_background_s:

@@ -14,12 +14,13 @@ from confkv.server.openai_protocol import (
     ModelList,
 )
 from confkv.server.openai_serving import OpenAIService
+from confkv.server.request_body import CheckedRoute
 from confkv.server.serving import PreparedRequest
 
 IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
 _R = TypeVar("_R", bound=Response)
 
-router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
+router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"], route_class=CheckedRoute)
 
 
 def _openai(request: Request) -> OpenAIService:

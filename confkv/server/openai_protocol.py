@@ -16,7 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from confkv.server.schemas import CompressionMetricsModel, CompressionOptions
+from confkv.server.sampling_options import SamplingOptions, StopTokenIds
+from confkv.server.schemas import CompressionMetricsModel
 
 MAX_FIELD_NAME = 64  # characters of an ignored field's name that are reported
 
@@ -25,7 +26,7 @@ class _Lenient(BaseModel):
     """A request object as clients send it: fields it does not define are kept aside, unused, so
     that the route can report them (`ignored_fields`)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     def ignored_fields(self, prefix: str = "") -> list[str]:
         """The fields given that this object and the objects in it do not define, dotted, sorted; in
@@ -49,14 +50,11 @@ class StreamOptions(_Lenient):
     continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, usage in every chunk")
 
 
-class _SamplingRequest(_Lenient):
-    """What completions and chat completions share."""
+class _SamplingRequest(_Lenient, SamplingOptions):
+    """What completions and chat completions share (the sampling parameters and vLLM's extensions
+    among them, with vLLM's meaning, in `SamplingOptions`)."""
 
     model: str = Field(description="the served model's name (GET /v1/models)")
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[Annotated[str, Field(min_length=1)]] | None = Field(None, description="up to 16 stop strings")
     n: int = Field(1, ge=1, description="only 1: send several requests for several completions")
     stream: bool = False
@@ -65,18 +63,7 @@ class _SamplingRequest(_Lenient):
     presence_penalty: float = Field(0.0, description="not supported: only 0")
     frequency_penalty: float = Field(0.0, description="not supported: only 0")
     logit_bias: dict[str, float] | None = Field(None, description="not supported")
-    compression: CompressionOptions | None = None
-    compression_stats: bool = False
-    # vLLM's extensions, with vLLM's meaning.
-    ignore_eos: bool = False  # generate up to max_tokens
-    top_k: int = Field(0, ge=-1, description="vLLM's: 0 or -1 mean no top-k cut")
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=64)
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    timeout: float | None = Field(None, gt=0.0, le=86400.0, description="extension: seconds until finish timeout")
+    stop_token_ids: StopTokenIds | None = Field(None, description="vLLM's: token ids that end the request, as EOS does")
 
     @field_validator("stop")
     @classmethod

@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from confkv.engine.outputs import RequestOutput
 from confkv.engine.sampler import TokenLogprob
+from confkv.engine.sequence import FinishReason
 from confkv.server.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -266,5 +267,8 @@ def _dump(chunk: CompletionChunk | ChatCompletionChunk) -> str:
 
 def _stream_error(out: RequestOutput) -> str:
     # As vLLM does: an error event in OpenAI's error shape, then [DONE].
-    message = f"the request failed inside the engine: {out.error}"
-    return json.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": "engine_error"}})
+    if out.finish_reason == FinishReason.ABORT:  # cut off by the server's shutdown
+        code, message = "shutting_down", out.error
+    else:
+        code, message = "engine_error", f"the request failed inside the engine: {out.error}"
+    return json.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": code}})

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from confkv.compress.config import CompressionOptions
+from confkv.server.sampling_options import SamplingOptions, StopTokenIds
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ChatMessage(_Strict):
@@ -18,49 +18,22 @@ class ChatMessage(_Strict):
     content: str
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(_Strict, SamplingOptions):
     prompt: str | None = Field(None, min_length=1, description="plain text prompt (or give messages or token ids)")
     messages: list[ChatMessage] | None = Field(None, min_length=1, description="chat, formatted by the chat template")
     prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, min_length=1, description="the prompt as token ids (or give prompt or messages)"
     )
-    max_tokens: int | None = Field(None, ge=1, description="most tokens to generate; default from the server")
-    temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 means greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="0 or -1 mean no top-k cut")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens less likely than min_p times the likeliest")
-    repetition_penalty: float = Field(
-        1.0, gt=0.0, le=10.0, description="above 1, tokens already in the prompt or output become less likely"
+    stop_token_ids: StopTokenIds = Field(
+        default_factory=list, description="token ids that end the request, as EOS does"
     )
-    min_tokens: int = Field(0, ge=0, description="tokens generated before EOS, stop_token_ids or stop can end it")
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(
-        default_factory=list, max_length=64, description="token ids that end the request, as EOS does"
-    )
-    include_stop_str_in_output: bool = Field(False, description="keep the stop string that ended the text")
-    skip_special_tokens: bool = Field(True, description="leave special tokens out of the text")
-    seed: int | None = Field(None, ge=0, lt=2**63)
     stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=16)
     stream: bool = False
-    ignore_eos: bool = Field(False, description="keep generating past EOS up to max_tokens (benchmarks)")
-    timeout: float | None = Field(
-        None, gt=0.0, le=86400.0, description="seconds; past it the request ends with finish_reason timeout"
-    )
-    compression: CompressionOptions | None = None
-    compression_stats: bool = False
     inspect: bool = Field(
         False,
         description="keep what compression does to this request, layer by layer, for the cache inspector: "
         "GET /inspect/requests/{id} (kept for the newest requests only)",
     )
-
-    @field_validator("min_tokens")
-    @classmethod
-    def _within_max_tokens(cls, value: int, info: ValidationInfo) -> int:
-        # A field's own check, so that the error names it (max_tokens is validated before it).
-        max_tokens = info.data.get("max_tokens")
-        if max_tokens is not None and value > max_tokens:
-            raise ValueError(f"must not exceed max_tokens ({max_tokens})")
-        return value
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
@@ -124,7 +97,10 @@ class StreamChunk(BaseModel):
 
 
 class HealthStatus(BaseModel):
-    status: str = Field(description="ok or ready; otherwise (503) engine_failed, not_ready or shutting_down")
+    status: str = Field(
+        description="ok or ready; otherwise (503) engine_failed, not_ready, restarting (the engine is being reset "
+        "after a crash: ready again within seconds) or shutting_down"
+    )
     error: str | None = Field(None, description="why the engine loop stopped (engine_failed)")
 
 

@@ -17,7 +17,7 @@ from confkv.compress.config import CompressionParams, InvalidCompression, resolv
 from confkv.engine.async_engine import AsyncEngine, EngineDeadError
 from confkv.engine.inspection import InspectionRecord, InspectionStore
 from confkv.engine.outputs import RequestOutput
-from confkv.engine.sequence import SamplingParams
+from confkv.engine.sequence import FinishReason, SamplingParams
 from confkv.server.metrics import Metrics
 from confkv.server.schemas import CompressionMetricsModel, GenerateRequest, GenerateResponse, StreamChunk, Usage
 from confkv.server.settings import Settings
@@ -282,8 +282,11 @@ class GenerateService:
 
     async def _collect(self, prepared: PreparedRequest) -> list[RequestOutput]:
         outputs = [out async for out in self.outputs(prepared)]
-        if outputs[-1].error is not None:
-            raise APIError(500, "engine_error", f"the request failed inside the engine: {outputs[-1].error}")
+        last = outputs[-1]
+        if last.error is not None and last.finish_reason == FinishReason.ABORT:  # cut off: the server is stopping
+            raise APIError(503, "shutting_down", last.error, {"Retry-After": "5"})
+        if last.error is not None:
+            raise APIError(500, "engine_error", f"the request failed inside the engine: {last.error}")
         return outputs
 
     def _tokenize(self, req: GenerateRequest) -> tuple[list[int], str | None]:

@@ -136,6 +136,13 @@ class Settings(BaseSettings):
     inspect_max_bytes: int = Field(
         64 * 2**20, ge=0, description="bytes of tier history the cache inspector keeps at most (oldest dropped first)"
     )
+    engine_max_restarts: int = Field(
+        3,
+        ge=0,
+        description="times the engine loop is reset and goes on after a step raised (requests in flight get an "
+        "error); past that, or if memory is not all back, the server exits with status 1 for its orchestrator "
+        "to restart it",
+    )
     shutdown_grace_period: float = Field(
         30.0, ge=0.0, description="on SIGTERM, seconds running requests may take to finish (new ones get 503)"
     )
