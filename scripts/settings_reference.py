@@ -15,6 +15,8 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from confkv.compress.config import CompressionConfig, Thresholds
+from confkv.compress.scoring import POLICIES, option_fields
+from confkv.server.sampling_options import SamplingOptions
 from confkv.server.settings import ClusterSettings, Settings
 
 DOCUMENT = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
@@ -44,11 +46,31 @@ def policy_file_table(model: type[BaseModel] = CompressionConfig) -> str:
     return "\n".join(rows)
 
 
+def policy_options_table() -> str:
+    """One row per option of every registered policy: its default, range and meaning, as its field declares them."""
+    rows = ["| policy | option | default | values | meaning |", "| --- | --- | --- | --- | --- |"]
+    for name, policy in POLICIES.items():
+        for option, field in option_fields(policy).items():
+            rows.append(f"| `{name}` | `{option}` | {_default(field)} | {_values(field)} | {_meaning(field)} |")
+    return "\n".join(rows)
+
+
+def sampling_table() -> str:
+    """One row per sampling parameter both request routes take (`SamplingOptions`)."""
+    rows = ["| field | default | values | meaning |", "| --- | --- | --- | --- |"]
+    for name, field in SamplingOptions.model_fields.items():
+        if name not in ("compression", "compression_stats"):
+            rows.append(f"| `{name}` | {_default(field)} | {_values(field)} | {_meaning(field)} |")
+    return "\n".join(rows)
+
+
 TABLES = {
     "server": server_table,
     "cluster": lambda: server_table(ClusterSettings, "cluster."),
     "policy_file": policy_file_table,
     "thresholds": lambda: policy_file_table(Thresholds),
+    "policy_options": policy_options_table,
+    "sampling": sampling_table,
 }
 
 

@@ -7,9 +7,11 @@ import threading
 import time
 
 import httpx
+import uvicorn
 from fastapi.testclient import TestClient
 
 from confkv.server.api import create_app
+from confkv.server.main import GracefulServer
 from confkv.server.settings import Settings
 from tests.helpers import LiveServer
 
@@ -19,9 +21,16 @@ def metric(client: TestClient, sample: str) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
-def test_an_engine_loop_crash_is_reported_by_health_ready_requests_and_metrics(tiny_model_dir, caplog):
-    settings = Settings(model_path=tiny_model_dir, max_cache_size="64", torch_threads=1, slo_tpot_seconds=0.25)
-    with TestClient(create_app(settings)) as client:
+def test_an_engine_loop_crash_past_its_restarts_is_reported_by_health_ready_requests_and_metrics(
+    tiny_model_dir, caplog
+):
+    settings = Settings(
+        model_path=tiny_model_dir, max_cache_size="64", torch_threads=1, slo_tpot_seconds=0.25, engine_max_restarts=0
+    )
+    app = create_app(settings)
+    dead: list[BaseException] = []
+    app.state.on_engine_dead = dead.append  # the server's own exits the process (`GracefulServer.engine_died`)
+    with TestClient(app) as client:
         body = {"prompt": "Hello there", "max_tokens": 3, "temperature": 0}
         assert client.post("/generate", json=body).status_code == 200
         assert client.get("/v1/models").json()["data"][0]["id"] == tiny_model_dir.name
@@ -57,7 +66,18 @@ def test_an_engine_loop_crash_is_reported_by_health_ready_requests_and_metrics(t
         stopped = metric(client, "engine_loop_heartbeat_timestamp_seconds")
         time.sleep(0.7)
         assert metric(client, "engine_loop_heartbeat_timestamp_seconds") == stopped  # EngineLoopStalled will fire
+        assert len(dead) == 1 and "injected loop fault" in repr(dead[0])
+        assert metric(client, "engine_loop_restarts_total") == 0
     assert "engine loop crashed" in caplog.text
+
+
+def test_the_server_process_exits_non_zero_when_its_engine_loop_is_dead(tiny_model_dir):
+    """So that Docker, Kubernetes or systemd restart it, rather than a process that lingers half-alive."""
+    settings = Settings(model_path=tiny_model_dir, max_cache_size="64", torch_threads=1)
+    app = create_app(settings)
+    server = GracefulServer(uvicorn.Config(app), app, grace_s=1.0)
+    app.state.on_engine_dead(RuntimeError("dead"))  # what the engine loop calls once it gives up
+    assert server.should_exit and server.exit_code == 1
 
 
 def test_metrics_read_the_engine_between_steps_and_do_not_wait_on_a_hung_step(tiny_model_dir):

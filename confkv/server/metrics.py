@@ -158,6 +158,7 @@ class Metrics:
 
     def bind_loop(self, loop: AsyncEngine) -> None:
         self.heartbeat.set_function(lambda: loop.heartbeat)
+        self.registry.register(_LoopCollector(loop))
 
     def count_ignored_fields(self, fields: list[str]) -> None:
         """Count each ignored field under its name, or 'other' once _MAX_FIELD_LABELS names are in use."""
@@ -209,6 +210,21 @@ class Metrics:
             self.compression_ratio.observe(compression["compression_ratio"])
             if audited:  # recall is measured only against the dropped keys of requests that keep them
                 self.attention_recall.observe(compression["recall_rate"])
+
+
+class _LoopCollector(Collector):
+    """The engine loop's supervision: its restarts, a counter the loop keeps."""
+
+    def __init__(self, loop: AsyncEngine) -> None:
+        self.loop = loop
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            "engine_loop_restarts",
+            "Times the engine loop was reset and went on after a step raised (requests in flight then got an "
+            "error; past --engine-max-restarts the process exits instead)",
+            self.loop.restarts,
+        )
 
 
 class _EngineCollector(Collector):
