@@ -52,3 +52,19 @@ def test_special_tokens_are_left_out_unless_asked_for(tokenizer):
             detokenizer.add(i)
         texts.append(detokenizer.text)
     assert texts == ["hi", "<|im_start|>hi"]
+
+
+def test_a_long_stop_string_holds_back_only_text_that_could_begin_it(tokenizer):
+    """Only the end of the text that is the start of a stop string waits; the rest streams as it comes,
+    however long the stop string (a 200-character one once held back the whole stream)."""
+    stop = "END OF THE DOCUMENT" + "x" * 200
+    text = "one two three four five six seven eight nine ten. END OF THE"
+    _, deltas, stopped = feed(tokenizer, text, stop=[stop])
+    assert not stopped and "".join(deltas) == text
+    streamed_before_last = "".join(deltas[:-1])  # what went out before the final flush
+    assert streamed_before_last.startswith("one two three four five six seven eight nine ten.")
+    assert deltas[-1] == "END OF THE"  # held back while it could still begin the stop string
+    # and a stop string reached across those pieces is still found, and never streamed
+    full, deltas, stopped = feed(tokenizer, text + " DOCUMENT" + "x" * 200 + " more", stop=[stop])
+    assert stopped and full == "one two three four five six seven eight nine ten. "
+    assert "END" not in "".join(deltas)

@@ -19,7 +19,7 @@ from confkv.server.settings import Settings
 from load_tests.monitoring import PROMETHEUS_DIR, Alertmanager, Prometheus, WebhookLog, fast_rules
 from tests.helpers import ROOT, LiveServer, free_port
 
-RULE_COUNT = 19  # alerts and recording rules
+RULE_COUNT = 21  # alerts and recording rules
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
@@ -102,6 +102,7 @@ def test_alertmanager_config_passes_amtool_and_pages_only_on_what_matters():
         "FrequentPreemptions",
         "HighServerErrorRate",
         "EngineLoopStalled",
+        "EngineLoopRestarted",
         "ConfKVDown",
         "FrequentOOMErrors",
     }
@@ -290,7 +291,9 @@ class InProcessServer:
 def test_a_dead_engine_loop_pages_its_errors_and_its_stall_with_runbooks(tiny_model_dir, tmp_path):
     """A loop that crashes under a live server: the lost and refused requests page HighServerErrorRate,
     and the heartbeat, still scraped, pages EngineLoopStalled 30 s later (`for` cut to 2 s)."""
-    served = InProcessServer(Settings(model_path=tiny_model_dir, max_cache_size="64", torch_threads=1))
+    # No restarts: the loop dies at its first crash (a restart is `EngineLoopRestarted`'s, tested by promtool).
+    settings = Settings(model_path=tiny_model_dir, max_cache_size="64", torch_threads=1, engine_max_restarts=0)
+    served = InProcessServer(settings)
     instance = served.url.removeprefix("http://")
     webhook = WebhookLog(tmp_path)
     alertmanager = Alertmanager(tmp_path, webhook.url)
