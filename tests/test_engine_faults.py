@@ -110,9 +110,7 @@ def test_a_squeeze_that_raises_fails_its_request_and_frees_its_memory(tokenizer,
     assert engine.store.used_bytes == 0
 
 
-def test_a_batch_whose_sampling_raises_is_sampled_row_by_row_and_only_the_row_at_fault_fails(
-    tokenizer, monkeypatch
-):
+def test_a_batch_whose_sampling_raises_is_sampled_row_by_row_and_only_the_row_at_fault_fails(tokenizer, monkeypatch):
     model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
     engine = make_engine(model, tokenizer)
     sample = llm_engine.sample
