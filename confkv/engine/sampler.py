@@ -62,7 +62,7 @@ def sample(
     outputs = []
     for row, (p, gen) in enumerate(zip(params, generators, strict=False)):
         if not finite[row]:
-            outputs.append(SampleOutput(None, 0.0, "the logits were not finite (the model's, or after the penalties)"))
+            outputs.append(SampleOutput(None, 0.0, "non-finite logits (the model's, or after the penalties)"))
             continue
         try:
             token = int(greedy_ids[row]) if p.greedy else _draw(logprobs[row], p, gen)
