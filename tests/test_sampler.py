@@ -58,10 +58,11 @@ def test_a_top_p_too_small_for_fp32_keeps_the_most_likely_token():
 
 
 def test_a_row_whose_draw_fails_fails_alone():
-    # Finite logits that overflow once divided by the temperature: no distribution to draw from.
+    # Finite logits that overflow once divided by the temperature: no distribution to draw from, found
+    # before the draw.
     logits = torch.tensor([[3e38, -3e38, 0.0], [1.0, 0.0, 0.0]])
     out = sample(logits, [SamplingParams(temperature=0.5), SamplingParams(temperature=0.0)], [gen(0), gen(0)])
-    assert out[0].token_id is None and "sampling failed" in out[0].error
+    assert out[0].token_id is None and "non-finite logits" in out[0].error
     assert out[1].token_id == 0 and out[1].error is None
 
 
