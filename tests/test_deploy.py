@@ -18,6 +18,7 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
+from confkv.engine.async_engine import AsyncEngine
 from confkv.models.default_model import PACKAGE_PIN
 from confkv.server.metrics import Metrics
 from confkv.server.settings import Settings
@@ -25,7 +26,7 @@ from tests.helpers import ROOT, make_engine, tiny_model
 
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "and", "or", "unless", "le", "instance", "job"}
 PROMQL_WORDS |= {"sum", "avg", "min", "max", "count"}  # aggregations, written before `by`
-PROMQL_WORDS |= {"pool", "reason", "tier", "status", "kind"}  # our label names
+PROMQL_WORDS |= {"pool", "reason", "tier", "status", "kind", "stage"}  # our label names
 PROMETHEUS_SERIES = {"up"}  # what Prometheus records of every scrape
 
 
@@ -181,6 +182,7 @@ def exported_names(tokenizer) -> set[str]:
     model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
     engine = make_engine(model, tokenizer)
     metrics.bind_engine(engine.snapshot, engine.store.device)
+    metrics.bind_loop(AsyncEngine(engine))  # not started: its supervision's metrics are read as they stand
     names = set()
     for line in generate_latest(metrics.registry).decode().splitlines():
         if line.startswith("# TYPE "):  # labelled metrics have no samples until a label is used

@@ -203,7 +203,7 @@ class Dynamic(ScorePolicy):
         int, Option("the thresholds judge an entry by the likeliest of this many around it", ge=1, le=MAX_KERNEL)
     ] = 3
     doubt_weight: Annotated[
-        float, Option("raise of a token sampled in doubt (top-token probability 0)", ge=0, le=100)
+        float, Option("raise of a token sampled in doubt (top-token probability 0); below 0 a lowering", ge=-1, le=100)
     ] = 0.5
     confident_extra_rate: Annotated[
         float, Option("share of the bytes the rate leaves also removed while the model is confident", ge=0, le=1)
