@@ -154,6 +154,10 @@ def test_a_request_is_laid_over_the_config_key_by_key_and_checked_again():
     params = resolve(config, {"thresholds": {"high": 0.95}, "policy_options": {"dynamic": {"decay": 0.5}}}, True, False)
     assert (params.thresholds.high, params.thresholds.medium) == (0.95, 0.5)
     assert params.scorer() == make_policy("dynamic", {"decay": 0.5, "kernel_size": 5})
+    # A null is a field left out: the config's value stands.
+    nulls = resolve(config, {"policy_options": None, "thresholds": None}, True, False)
+    assert nulls.scorer() == make_policy("dynamic", {"decay": 0.9, "kernel_size": 5})
+    assert nulls.thresholds.high == 0.8
     # Valid alone (the default medium is 0.7), not over this config's medium of 0.5.
     with pytest.raises(InvalidCompression) as refused:
         resolve(config, {"thresholds": {"low": 0.6}}, True, False)

@@ -52,7 +52,9 @@ class _PolicyOptions:
         return {"type": "object", "properties": properties, "additionalProperties": False}
 
     @staticmethod
-    def _validate(options: dict[str, dict]) -> dict[str, dict]:
+    def _validate(options: dict[str, dict] | None) -> dict[str, dict] | None:
+        if options is None:  # a request's `"policy_options": null`: the config's options stand
+            return None
         errors = []
         for name, values in options.items():
             if name not in POLICIES:
