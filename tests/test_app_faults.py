@@ -10,6 +10,7 @@ import httpx
 import uvicorn
 from fastapi.testclient import TestClient
 
+from confkv.engine.async_engine import EngineStalledError
 from confkv.server.api import create_app
 from confkv.server.main import GracefulServer
 from confkv.server.settings import Settings
@@ -115,6 +116,32 @@ def test_metrics_read_the_engine_between_steps_and_do_not_wait_on_a_hung_step(ti
             worker.join()
         assert metric(client, 'requests_total{status="length"}') == 1
         assert metric(client, 'kv_cache_bytes{pool="running"}') == 0
+
+
+def test_a_step_that_hangs_past_the_iteration_timeout_is_declared_dead_not_waited_on(tiny_model_dir, caplog):
+    settings = Settings(model_path=tiny_model_dir, max_cache_size="64", torch_threads=1, engine_iteration_timeout=1.0)
+    app = create_app(settings)
+    dead: list[BaseException] = []
+    app.state.on_engine_dead = dead.append
+    with TestClient(app) as client:
+        body = {"prompt": "Hello there", "max_tokens": 3, "temperature": 0}
+        time.sleep(1.5)  # an idle loop is not a hung one
+        assert client.post("/generate", json=body).status_code == 200 and not dead
+        engine, release = client.app.state.engine.llm_engine, threading.Event()
+        step = engine.step
+        engine.step = lambda: release.wait(30) and step()
+        try:
+            started = time.monotonic()
+            lost = client.post("/generate", json=body)
+            assert time.monotonic() - started < 10  # answered once the watchdog saw the step hang
+            assert lost.status_code == 500 and "engine_iteration_timeout" in lost.json()["error"]["message"]
+            health = client.get("/health")
+            assert health.status_code == 503 and "hung" in health.json()["error"]
+            assert client.post("/generate", json=body).status_code == 503
+            assert len(dead) == 1 and isinstance(dead[0], EngineStalledError)
+        finally:
+            release.set()
+    assert "the engine loop is hung" in caplog.text
 
 
 def test_malformed_and_non_utf8_bodies_get_4xx_in_our_error_shape(tiny_model_dir):

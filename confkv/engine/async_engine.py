@@ -9,7 +9,9 @@ should a step raise anyway, every request in flight gets an error, the engine is
 request ended, the prefix cache emptied, every byte checked back) and the loop goes on, up to
 `max_restarts` times. Past that, or if the reset finds memory unaccounted for, the loop is dead:
 `error` says why, `on_dead` is told (the server exits non-zero so that its orchestrator restarts
-it), and requests are refused with `EngineDeadError`.
+it), and requests are refused with `EngineDeadError`. A step that hangs (a deadlock, a device that
+stopped answering) cannot be interrupted from Python: once a step has run past `iteration_timeout`,
+a watchdog declares the loop dead the same way.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ log = logging.getLogger(__name__)
 class EngineDeadError(RuntimeError):
     """A request refused because the engine loop has stopped; the server needs a restart. (Requests
     in flight when it stops get a final output with the error instead.)"""
+
+
+class EngineStalledError(RuntimeError):
+    """Why the loop was declared dead when a step ran past the iteration timeout."""
 
 
 @dataclass
@@ -72,11 +78,13 @@ class AsyncEngine:
         on_step: Callable[[StepStats], None] | None = None,
         max_restarts: int = 0,
         on_dead: Callable[[BaseException], None] | None = None,
+        iteration_timeout: float = 0.0,
     ) -> None:
         self.llm_engine = engine
         self.on_step = on_step
         self.max_restarts = max_restarts
         self.on_dead = on_dead
+        self.iteration_timeout = iteration_timeout  # seconds a step may take; 0: no watchdog
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
@@ -92,6 +100,8 @@ class AsyncEngine:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
+        if self.iteration_timeout > 0:
+            threading.Thread(target=self._watch, name="engine-watchdog", daemon=True).start()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()
@@ -171,11 +181,30 @@ class AsyncEngine:
                 log.exception("engine loop crashed")
                 if self._recovered(exc):
                     continue
-                self.error = exc
-                self._fail_in_flight(f"engine loop crashed: {exc!r}; the server is exiting, retry after its restart")
-                if self.on_dead is not None:
-                    self.on_dead(exc)
+                if self.error is None:  # else the watchdog declared it dead already
+                    self._die(exc, f"engine loop crashed: {exc!r}")
                 return
+
+    def _watch(self) -> None:
+        """Declare the loop dead once a step has run past `iteration_timeout`. The heartbeat moves at
+        least every half second while the loop waits for work, so only a step can make it stale."""
+        while not self._stopping.wait(min(1.0, self.iteration_timeout / 4)):
+            stalled = time.time() - self.heartbeat
+            if self.error is None and stalled > self.iteration_timeout and not self.restarting:
+                message = (
+                    f"an engine step has run for {stalled:.0f} s, past engine_iteration_timeout "
+                    f"({self.iteration_timeout:g} s); the engine loop is hung"
+                )
+                log.critical(message)
+                self._stopping.set()  # should the step ever return, the loop stops after it
+                self._die(EngineStalledError(message), message)
+                return
+
+    def _die(self, error: BaseException, why: str) -> None:
+        self.error = error
+        self._fail_in_flight(f"{why}; the server is exiting, retry after its restart")
+        if self.on_dead is not None:
+            self.on_dead(error)
 
     def _loop(self) -> None:
         while not self._stopping.is_set():

@@ -159,6 +159,7 @@ def _lifespan(settings: Settings) -> Callable[[FastAPI], AbstractAsyncContextMan
             on_step=metrics.observe_step,
             max_restarts=settings.engine_max_restarts,
             on_dead=lambda error: app.state.on_engine_dead(error),
+            iteration_timeout=settings.engine_iteration_timeout,
         )
         if not hasattr(app.state, "on_engine_dead"):  # set by the process that serves the app (`main`)
             app.state.on_engine_dead = lambda error: log.critical("the engine loop is dead: %r", error)

@@ -143,6 +143,12 @@ class Settings(BaseSettings):
         "error); past that, or if memory is not all back, the server exits with status 1 for its orchestrator "
         "to restart it",
     )
+    engine_iteration_timeout: float = Field(
+        300.0,
+        ge=0.0,
+        description="seconds one engine step may take (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S); past it the loop "
+        "is declared hung, requests in flight get an error and the server exits with status 1 (0: no watchdog)",
+    )
     shutdown_grace_period: float = Field(
         30.0, ge=0.0, description="on SIGTERM, seconds running requests may take to finish (new ones get 503)"
     )
