@@ -16,6 +16,7 @@ from pydantic.fields import FieldInfo
 
 from confkv.compress.config import CompressionConfig, Thresholds
 from confkv.compress.scoring import POLICIES, option_fields
+from confkv.models.loader import FAMILIES, REFUSED_FAMILIES
 from confkv.server.sampling_options import SamplingOptions
 from confkv.server.settings import ClusterSettings, Settings
 
@@ -64,7 +65,16 @@ def sampling_table() -> str:
     return "\n".join(rows)
 
 
+def families_table() -> str:
+    """The model families `--model-path` takes, and those it refuses with why (`confkv.models.loader`)."""
+    rows = ["| family | `model_type` | served |", "| --- | --- | --- |"]
+    rows += [f"| {name} | `{key}` | yes |" for key, name in FAMILIES.items()]
+    rows += [f"| | `{key}` | no: {why} |" for key, why in REFUSED_FAMILIES.items()]
+    return "\n".join(rows)
+
+
 TABLES = {
+    "families": families_table,
     "server": server_table,
     "cluster": lambda: server_table(ClusterSettings, "cluster."),
     "policy_file": policy_file_table,

@@ -45,10 +45,28 @@ _DECODER = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
+_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+# One small config of every family the loader serves (`confkv.models.loader.FAMILIES`).
 TINY_CONFIGS = {
     "llama": dict(model_type="llama", **_DECODER),
-    "qwen2": dict(model_type="qwen2", **_DECODER),
     "mistral": dict(model_type="mistral", **_DECODER),
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, **_DECODER),
+    "qwen2": dict(model_type="qwen2", **_DECODER),
+    "qwen2_moe": dict(model_type="qwen2_moe", shared_expert_intermediate_size=32, **_EXPERTS, **_DECODER),
+    "qwen3": dict(model_type="qwen3", head_dim=16, **_DECODER),  # q and k normalised per head
+    "qwen3_moe": dict(model_type="qwen3_moe", head_dim=16, **_EXPERTS, **_DECODER),
+    "phi3": dict(model_type="phi3", **_DECODER),  # one fused qkv projection
+    "granite": dict(model_type="granite", attention_multiplier=0.1, embedding_multiplier=2.0, **_DECODER),
+    "olmo2": dict(model_type="olmo2", **_DECODER),
+    # A sliding layer beside a full one; the window (128) is the engine's context.
+    "gemma3_text": dict(
+        model_type="gemma3_text",
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"],
+        **_DECODER,
+    ),  # fmt: skip
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=512),
 }
 

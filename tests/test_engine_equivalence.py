@@ -8,6 +8,10 @@ from collections import defaultdict
 import pytest
 import torch
 
+from confkv.compress.config import resolve
+from confkv.engine.llm_engine import run_to_completion
+from confkv.engine.sequence import FinishReason
+from confkv.models.loader import FAMILIES
 from tests.helpers import greedy, make_engine, reference_greedy, tiny_model, tokens_of
 
 NEAR_TIE = 1e-4
@@ -48,19 +52,51 @@ def assert_same_greedy(got: list[int], got_logits, want: list[int], want_logits:
         return
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
-def test_tiny_models_match_generate(family, tokenizer):
-    model = tiny_model(family, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+def family_prompts(family: str, tokenizer) -> list[list[int]]:
     rng = random.Random(family)
-    lengths = [3, 40, 17, 90, 1, 64, 25]
-    prompts = [[rng.randrange(3, len(tokenizer)) for _ in range(n)] for n in lengths]
-    # A small token budget forces chunked prefill beside running decodes.
-    engine = make_engine(model, tokenizer, max_num_batched_tokens=32)
-    results = run_staggered(engine, prompts, max_tokens=12, arrivals=[0, 0, 0, 3, 5, 5, 9])
-    for prompt, (got, got_logits) in zip(prompts, results, strict=False):
-        want, want_logits = reference_greedy(model, prompt, 12)
-        assert_same_greedy(got, got_logits, want, want_logits)
+    return [[rng.randrange(3, len(tokenizer)) for _ in range(n)] for n in (3, 40, 17, 90, 1, 64, 25)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_models_of_every_family_served_match_generate(family, tokenizer):
+    """Every family the loader serves, through chunked prefill beside running decodes (a small token
+    budget) and then from the prefix cache (the same prompts, longer)."""
+    model = tiny_model(family, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    engine = make_engine(model, tokenizer, max_num_batched_tokens=32, prefix_cache=True)
+    prompts = family_prompts(family, tokenizer)
+    again = [prompt + prompt[:7] for prompt in prompts[1:]]
+    for batch in (prompts, again):
+        results = run_staggered(engine, batch, max_tokens=12, arrivals=[0, 0, 0, 3, 5, 5, 9][: len(batch)])
+        for prompt, (got, got_logits) in zip(batch, results, strict=True):
+            want, want_logits = reference_greedy(model, prompt, 12)
+            assert_same_greedy(got, got_logits, want, want_logits)
+    assert engine.prefix_cache.hits >= len(again) - 1  # the 1-token prompt parks nothing worth a hit
+    assert engine.store.used_bytes == engine.snapshot().kv_bytes["prefix"]  # only what is parked
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_served_compresses_and_gives_its_memory_back(family, tokenizer):
+    """The default policy at a high rate on int8 storage: every request served whole, none failed."""
+    model = tiny_model(family, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    settings = {"sink_tokens": 4, "recent_window": 8, "compression_interval": 8, "score_interval": 2}
+    engine = make_engine(model, tokenizer, compression=settings, max_num_batched_tokens=32)
+    params = resolve(engine.compression_config, {"compression_rate": 0.75, "kv_cache_dtype": "int8"}, True, True)
+    for i, prompt in enumerate(family_prompts(family, tokenizer)):
+        engine.add_request(str(i), prompt, greedy(24, ignore_eos=True), params)
+    outputs = run_to_completion(engine)
+    for request in outputs.values():
+        assert len(tokens_of(request)) == 24 and request[-1].finish_reason == FinishReason.LENGTH
+    dropped = [request[-1].compression_metrics["entries"]["dropped"] for request in outputs.values()]
+    assert max(dropped) > 0
     assert engine.store.used_bytes == 0
+
+
+def test_a_sliding_window_model_is_served_within_its_window(tokenizer):
+    """Within the window a sliding layer attends to every token, so the engine's context is the window."""
+    model = tiny_model("gemma3_text", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    assert make_engine(model, tokenizer).max_model_len == model.config.sliding_window == 128
+    mistral = tiny_model("mistral", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    assert make_engine(mistral, tokenizer).max_model_len == 512  # its window (4096) is past its positions
 
 
 @pytest.mark.slow

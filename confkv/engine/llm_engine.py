@@ -28,6 +28,7 @@ from confkv.engine.scheduler import Scheduler, SchedulerOutput, SequenceListener
 from confkv.engine.sequence import FinishReason, SamplingParams, ScheduledChunk, Sequence, SequenceStatus
 from confkv.kv.kv_store import KVBudgetExceeded, KVStore
 from confkv.kv.prefix_cache import PrefixCache
+from confkv.models.loader import attention_window
 
 log = logging.getLogger(__name__)
 # The profiler's name for the compression after a step (lookahead included): its share of the step.
@@ -484,11 +485,14 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[
     return ids
 
 
+_POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length")
+
+
 def _max_model_len(cfg) -> int:
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        if getattr(cfg, name, None):
-            return int(getattr(cfg, name))
-    return 2048
+    """The model's context, capped at its sliding window if it has one: within the window a
+    sliding-window layer attends to every token, so the full-context KV cache serves it exactly."""
+    positions = next((int(getattr(cfg, name)) for name in _POSITION_FIELDS if getattr(cfg, name, None)), 2048)
+    return min(positions, attention_window(cfg) or positions)
 
 
 @torch.inference_mode()

@@ -14,9 +14,54 @@ from confkv.models.random_weights import build_random_model, has_random_weights
 
 log = logging.getLogger(__name__)
 
-# Families whose attention modules go through transformers' AttentionInterface with a layer_idx,
-# which is what the packed KV attention relies on.
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gpt2"}
+# Families (config `model_type`) whose attention modules go through transformers' AttentionInterface
+# with a layer_idx and ask nothing of it that the packed KV attention does not do; each is checked
+# against transformers' own forward (tests/test_engine_equivalence.py). Their MLPs, mixtures of
+# experts included, are transformers' own.
+FAMILIES = {
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "mixtral": "Mixtral (MoE)",
+    "qwen2": "Qwen2",
+    "qwen2_moe": "Qwen2-MoE",
+    "qwen3": "Qwen3",
+    "qwen3_moe": "Qwen3-MoE",
+    "phi3": "Phi-3",
+    "granite": "Granite",
+    "olmo2": "OLMo 2",
+    "gemma3_text": "Gemma 3 (text)",
+    "gpt2": "GPT-2",
+}
+# Families people ask for that are refused, and why.
+REFUSED_FAMILIES = {
+    "gemma2": "its attention soft-caps the logits, which the packed KV attention does not do",
+    "gemma3": "it is multimodal; serve its language model (a folder whose model_type is gemma3_text)",
+    "gpt_oss": "its attention adds learned sinks, which the packed KV attention does not do",
+    "deepseek_v3": "its attention (multi-head latent attention) caches a latent, not keys and values per head",
+}
+
+
+def check_family(config) -> None:
+    """Raise ValueError, naming why and the families served, unless the packed KV attention serves
+    this model exactly."""
+    family = config.model_type
+    served = ", ".join(f"{name} ({key})" for key, name in FAMILIES.items())
+    if family not in FAMILIES:
+        why = REFUSED_FAMILIES.get(family, "it has not been checked against transformers' own forward")
+        raise ValueError(f"model type {family!r} is not supported: {why}. Supported families: {served}")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise ValueError(f"this {FAMILIES[family]} model soft-caps its attention logits, which is not supported")
+
+
+def attention_window(config) -> int | None:
+    """How far back the model's sliding-window layers attend; None when every layer attends to the
+    whole context. (A config with `layer_types` says which layers slide; Mistral's has none and
+    slides on every layer when `sliding_window` is set.)"""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return int(window)
 
 
 @dataclass(frozen=True)
@@ -48,9 +93,15 @@ def load_model(
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
     config = AutoConfig.from_pretrained(path)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model type {config.model_type!r} is not supported; use one of {sorted(SUPPORTED_MODEL_TYPES)}"
+    check_family(config)
+    if (window := attention_window(config)) is not None:
+        log.warning(
+            "%s has sliding-window attention (window %d tokens): requests are served up to %d tokens of "
+            "context, where its outputs equal transformers'; a longer context needs a KV cache that holds "
+            "only the window, which is not built",
+            path.name,
+            window,
+            window,
         )
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else (getattr(config, "dtype", None) or torch.float32)
