@@ -45,6 +45,8 @@ _DECODER = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
+# Compression settings under which a short prompt on a small model compresses often, every stage seen.
+COMPRESS_OFTEN = {"sink_tokens": 4, "recent_window": 16, "compression_interval": 8, "score_interval": 2}
 _EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 # One small config of every family the loader serves (`confkv.models.loader.FAMILIES`).
 TINY_CONFIGS = {

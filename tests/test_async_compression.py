@@ -21,9 +21,8 @@ from confkv.compress.predictor.online import FutureValue
 from confkv.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
 from confkv.server.api import build_engine
 from confkv.server.settings import Settings
-from tests.helpers import check_references, greedy, tiny_model, tokens_of
+from tests.helpers import COMPRESS_OFTEN, check_references, greedy, tiny_model, tokens_of
 
-SETTINGS = {"sink_tokens": 4, "recent_window": 16, "compression_interval": 8, "score_interval": 2}
 WORKER = "confkv-compress"
 
 
@@ -41,7 +40,7 @@ def future_value() -> FutureValue:
 
 def make(model, tokenizer, asynchronous: bool, budget: int = 2**30, prefix_cache: bool = False) -> LLMEngine:
     config = EngineConfig(budget, prefix_cache=prefix_cache, async_compression=asynchronous)
-    return LLMEngine(model, tokenizer, config, CompressionConfig(**SETTINGS), future_value())
+    return LLMEngine(model, tokenizer, config, CompressionConfig(**COMPRESS_OFTEN), future_value())
 
 
 class Inline:

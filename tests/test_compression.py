@@ -21,10 +21,9 @@ from confkv.kv.block_tables import Keep
 from confkv.kv.kv_layout import BLOCK_SIZE
 from confkv.kv.kv_store import KVStore
 from confkv.kv.quant import dequantize, quantize
-from tests.helpers import fill_store, greedy, make_engine, tiers, tiny_model, tokens_of
+from tests.helpers import COMPRESS_OFTEN, fill_store, greedy, make_engine, tiers, tiny_model, tokens_of
 
 EVICTING = list(POLICIES)
-SETTINGS = {"sink_tokens": 4, "recent_window": 16, "compression_interval": 8, "score_interval": 2}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +52,7 @@ def slack_bytes(engine, interval: int) -> int:
     ("rate", "storage"), [(0.6, "auto"), (0.75, "auto"), (0.75, "int8"), (0.9, "int8"), (0.9, "kivi4")]
 )
 def test_every_policy_respects_the_compression_rate(model, tokenizer, policy, rate, storage):
-    engine = make_engine(model, tokenizer, compression=SETTINGS)
+    engine = make_engine(model, tokenizer, compression=COMPRESS_OFTEN)
     sizes = []  # held and uncompressed bytes right after each compression
 
     def check_after_compress(seq_id, num_tokens, state):
@@ -73,7 +72,7 @@ def test_every_policy_respects_the_compression_rate(model, tokenizer, policy, ra
 
 
 def test_protected_entries_are_never_dropped(model, tokenizer):
-    engine = make_engine(model, tokenizer, compression=SETTINGS)
+    engine = make_engine(model, tokenizer, compression=COMPRESS_OFTEN)
     ids = prompt(tokenizer, 300)
     params = resolve(engine.compression_config, {"policy": "random", "compression_rate": 0.9}, True, False)
     engine.add_request("r", ids, greedy(30, ignore_eos=True), params)
@@ -95,7 +94,7 @@ def test_policy_none_is_token_identical_to_uncompressed(model, tokenizer):
     ids = prompt(tokenizer, 300, seed=3)
     plain = make_engine(model, tokenizer)  # compression off entirely
     want = tokens_of(run_one(plain, ids, "none", 0.6, stats=False))
-    engine = make_engine(model, tokenizer, compression={**SETTINGS, "policy": "dynamic"})
+    engine = make_engine(model, tokenizer, compression={**COMPRESS_OFTEN, "policy": "dynamic"})
     out = run_one(engine, ids, "none", 0.6)
     assert tokens_of(out) == want
     metrics = out[-1].compression_metrics
@@ -104,7 +103,7 @@ def test_policy_none_is_token_identical_to_uncompressed(model, tokenizer):
 
 def test_recall_is_one_without_drops_and_lower_when_attended_entries_go(model, tokenizer):
     ids = prompt(tokenizer, 400, seed=5)
-    engine = make_engine(model, tokenizer, compression=SETTINGS)
+    engine = make_engine(model, tokenizer, compression=COMPRESS_OFTEN)
     kept_all = run_one(engine, ids, "dynamic", 0.0)[-1].compression_metrics
     assert kept_all["entries"]["dropped"] == 0 and kept_all["recall_rate"] == 1.0
     squeezed = run_one(engine, ids, "streaming_llm", 0.9)[-1].compression_metrics
@@ -115,7 +114,7 @@ def test_recall_is_one_without_drops_and_lower_when_attended_entries_go(model, t
 
 def test_dynamic_demotes_only_as_far_as_the_rate_needs(model, tokenizer):
     ids = prompt(tokenizer, 400, seed=7)
-    engine = make_engine(model, tokenizer, compression=SETTINGS)
+    engine = make_engine(model, tokenizer, compression=COMPRESS_OFTEN)
     # int8 storage holds ~28% of the fp32 bytes: at rate 0.6 everything stays FULL ...
     entries = run_one(engine, ids, "dynamic", 0.6)[-1].compression_metrics["entries"]
     assert entries["key_only"] == entries["dropped"] == 0
@@ -134,8 +133,8 @@ def test_mixed_policies_in_one_batch_match_each_alone(model, tokenizer):
     prompts = [prompt(tokenizer, 150 + 60 * i, seed=i) for i in range(len(requests))]
     alone = []
     for (policy, rate), ids in zip(requests, prompts, strict=True):
-        alone.append(tokens_of(run_one(make_engine(model, tokenizer, compression=SETTINGS), ids, policy, rate)))
-    engine = make_engine(model, tokenizer, compression=SETTINGS)
+        alone.append(tokens_of(run_one(make_engine(model, tokenizer, compression=COMPRESS_OFTEN), ids, policy, rate)))
+    engine = make_engine(model, tokenizer, compression=COMPRESS_OFTEN)
     for i, ((policy, rate), ids) in enumerate(zip(requests, prompts, strict=True)):
         params = resolve(engine.compression_config, {"policy": policy, "compression_rate": rate}, True, True)
         engine.add_request(str(i), ids, greedy(24, ignore_eos=True), params)
@@ -147,7 +146,7 @@ def test_mixed_policies_in_one_batch_match_each_alone(model, tokenizer):
 
 @pytest.mark.parametrize("storage", ["float16", "int8", "int4", "kivi4"])
 def test_storage_precision_counts_as_compression(model, tokenizer, storage):
-    engine = make_engine(model, tokenizer, compression=SETTINGS)
+    engine = make_engine(model, tokenizer, compression=COMPRESS_OFTEN)
     metrics = run_one(engine, prompt(tokenizer, 200), "none", 0.0, kv_cache_dtype=storage)[-1].compression_metrics
     d = engine.store.head_dim
     # Codes plus fp16 parameters per head vector (scale; scale and minimum at 4 bits), against fp32.
@@ -290,12 +289,12 @@ def test_the_compressor_raises_the_entries_attention_leans_on(model, tokenizer, 
     Entry by entry: kept by word, a peak's word would share its score and its FULL budget."""
     monkeypatch.setitem(POLICIES, "test_peaked", Peaked)
     monkeypatch.setattr(Peaked, "uses_attention", attention)
-    engine = make_engine(model, tokenizer, compression=SETTINGS)
+    engine = make_engine(model, tokenizer, compression=COMPRESS_OFTEN)
     request = {"policy": "test_peaked", "compression_rate": 0.8, "kv_cache_dtype": "int8", "retention_unit": "token"}
     params = resolve(engine.compression_config, request, True, True, inspect=True)
     engine.add_request("r", prompt(tokenizer, 400), greedy(2), params)
     prefill = run_to_completion(engine)["r"][-1].tier_history.records[0]
-    peaks = np.arange(7, prefill.num_tokens - SETTINGS["recent_window"], 100)
+    peaks = np.arange(7, prefill.num_tokens - COMPRESS_OFTEN["recent_window"], 100)
     for layer in prefill.layers:
         held = tiers_by_position(layer.tiers)
         assert (held == KEY_ONLY).any()  # the budget binds
@@ -356,7 +355,7 @@ def test_a_layer_is_compacted_only_when_that_frees_blocks(model, tokenizer, poli
     """Memory is held in whole blocks: a due compression leaves alone a layer whose blocks still fit
     its budget (compacting it would rewrite its tables and free nothing), and every layer it does
     compact gives blocks back."""
-    engine = make_engine(model, tokenizer, compression=SETTINGS)
+    engine = make_engine(model, tokenizer, compression=COMPRESS_OFTEN)
     store, compactions, compressions = engine.store, [], []
     compact = store.compact
 

@@ -12,7 +12,7 @@ from confkv.compress.config import resolve
 from confkv.engine.llm_engine import run_to_completion
 from confkv.engine.sequence import FinishReason
 from confkv.models.loader import FAMILIES
-from tests.helpers import greedy, make_engine, reference_greedy, tiny_model, tokens_of
+from tests.helpers import COMPRESS_OFTEN, greedy, make_engine, reference_greedy, tiny_model, tokens_of
 
 NEAR_TIE = 1e-4
 
@@ -78,8 +78,7 @@ def test_tiny_models_of_every_family_served_match_generate(family, tokenizer):
 def test_every_family_served_compresses_and_gives_its_memory_back(family, tokenizer):
     """The default policy at a high rate on int8 storage: every request served whole, none failed."""
     model = tiny_model(family, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
-    settings = {"sink_tokens": 4, "recent_window": 8, "compression_interval": 8, "score_interval": 2}
-    engine = make_engine(model, tokenizer, compression=settings, max_num_batched_tokens=32)
+    engine = make_engine(model, tokenizer, compression=COMPRESS_OFTEN, max_num_batched_tokens=32)
     params = resolve(engine.compression_config, {"compression_rate": 0.75, "kv_cache_dtype": "int8"}, True, True)
     for i, prompt in enumerate(family_prompts(family, tokenizer)):
         engine.add_request(str(i), prompt, greedy(24, ignore_eos=True), params)

@@ -15,9 +15,7 @@ from confkv.compress.config import resolve
 from confkv.compress.scoring import POLICIES, LayerEntries, ScorePolicy
 from confkv.engine import llm_engine
 from confkv.engine.async_engine import AsyncEngine, EngineDeadError
-from tests.helpers import check_references, greedy, make_engine, tiny_model
-
-SETTINGS = {"sink_tokens": 4, "recent_window": 16, "compression_interval": 8, "score_interval": 2}
+from tests.helpers import COMPRESS_OFTEN, check_references, greedy, make_engine, tiny_model
 
 
 @pytest.fixture
@@ -60,7 +58,7 @@ def test_a_compression_that_raises_ends_its_own_request_and_the_others_finish(
     tokenizer, failing_policy, async_compression
 ):
     model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
-    engine = make_engine(model, tokenizer, compression=SETTINGS, async_compression=async_compression)
+    engine = make_engine(model, tokenizer, compression=COMPRESS_OFTEN, async_compression=async_compression)
     config = engine.compression_config
     # Stored at the model's dtype, so that the rate's bytes are found by dropping entries, not by int8.
     rate = {"compression_rate": 0.5, "kv_cache_dtype": "auto", "retention_unit": "token"}
@@ -93,7 +91,7 @@ def test_a_squeeze_that_raises_fails_its_request_and_frees_its_memory(tokenizer,
     model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
     probe = make_engine(model, tokenizer)
     budget = probe.kv_bytes_for(2 * 120 + 60, "auto")
-    engine = make_engine(model, tokenizer, max_cache_bytes=budget, compression=SETTINGS)
+    engine = make_engine(model, tokenizer, max_cache_bytes=budget, compression=COMPRESS_OFTEN)
     config = engine.compression_config
     # Compressed once at the end of prefill, then only when squeezed (the newest request first).
     once = {"compression_rate": 0.1, "kv_cache_dtype": "auto", "compression_interval": 10_000}

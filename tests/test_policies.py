@@ -15,9 +15,7 @@ from confkv import DynamicKVCompressor
 from confkv.compress.config import CompressionConfig, CompressionOptions, InvalidCompression, resolve
 from confkv.compress.scoring import POLICIES, LayerEntries, ScorePolicy, make_policy
 from confkv.engine.llm_engine import run_to_completion
-from tests.helpers import greedy, make_engine, tiny_model
-
-SETTINGS = {"sink_tokens": 4, "recent_window": 16, "compression_interval": 8, "score_interval": 2}
+from tests.helpers import COMPRESS_OFTEN, greedy, make_engine, tiny_model
 
 
 @pytest.fixture
@@ -40,7 +38,7 @@ def oldest_first() -> Iterator[type[ScorePolicy]]:
 
 def test_a_policy_of_one_class_is_accepted_by_name_and_decides_what_is_kept(tokenizer, oldest_first):
     model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
-    engine = make_engine(model, tokenizer, compression=SETTINGS)
+    engine = make_engine(model, tokenizer, compression=COMPRESS_OFTEN)
     # entry by entry: kept by word, the oldest entry's word would come along whole
     request = {
         "policy": "test_oldest_first",
@@ -240,7 +238,7 @@ def test_every_policy_keeps_the_contract_the_engine_relies_on(name, tokenizer):
     assert 0.0 <= policy.target_rate(0.6, [0.9, 0.2, 0.7]) < 1.0
 
     model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
-    engine = make_engine(model, tokenizer, compression=SETTINGS)
+    engine = make_engine(model, tokenizer, compression=COMPRESS_OFTEN)
     request = {"policy": name, "compression_rate": 0.6, "kv_cache_dtype": "auto"}  # the policy alone meets the rate
     params = resolve(engine.compression_config, request, True, True)
     prompt = [int(t) for t in torch.randint(3, len(tokenizer), (200,), generator=gen)]

@@ -8,9 +8,7 @@ import pytest
 
 from confkv.compress.config import resolve
 from confkv.engine.llm_engine import run_to_completion
-from tests.helpers import greedy, make_engine, tiny_model, tokens_of
-
-SETTINGS = {"sink_tokens": 4, "recent_window": 16, "compression_interval": 8, "score_interval": 2}
+from tests.helpers import COMPRESS_OFTEN, greedy, make_engine, tiny_model, tokens_of
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +46,14 @@ def test_chat_turn_two_reuses_turn_one_and_gives_the_same_tokens(model, tokenize
 def test_a_second_question_about_a_document_answers_as_a_fresh_request(model, tokenizer):
     """The first question's query-aware compression must not carry over: its prompt is parked before it."""
     compression = {"policy": "h2o", "compression_rate": 0.75}
-    engine = make_engine(model, tokenizer, compression=SETTINGS, prefix_cache=True)
+    engine = make_engine(model, tokenizer, compression=COMPRESS_OFTEN, prefix_cache=True)
     document, decoy, question = ids(tokenizer, 300, seed=20), ids(tokenizer, 12, seed=21), ids(tokenizer, 12, seed=22)
     first = run(engine, "decoy", document + decoy, **compression)
     assert first[-1].compression_metrics["entries"]["dropped"] > 0  # the decoy's own cache was pruned
     (entry,) = engine.prefix_cache.entries.values()  # and not parked: only its prompt, as it was stored
     assert entry.parked == "prompt" and entry.kv.holds_every_entry(len(document + decoy))
     second = run(engine, "real", document + question, **compression)
-    fresh = run(make_engine(model, tokenizer, compression=SETTINGS), "real", document + question, **compression)
+    fresh = run(make_engine(model, tokenizer, compression=COMPRESS_OFTEN), "real", document + question, **compression)
     # The document is reused, except for what the compression must observe: the last 32 queries.
     reused = len(document + question) - engine.compression_config.observation_window
     assert second[-1].cached_prompt_tokens == reused
@@ -78,7 +76,7 @@ def test_a_prompt_equal_to_a_cached_one_still_computes_its_last_token(model, tok
 def test_reuse_needs_the_same_storage_precision_and_no_more(model, tokenizer):
     """What is parked is exact at its storage precision, so another policy or rate reuses it and
     answers as a fresh request; another precision does not."""
-    engine = make_engine(model, tokenizer, compression=SETTINGS, prefix_cache=True)
+    engine = make_engine(model, tokenizer, compression=COMPRESS_OFTEN, prefix_cache=True)
     prompt = ids(tokenizer, 200, seed=4)
     run(engine, "a", prompt, policy="h2o", compression_rate=0.5)
     longer = prompt + ids(tokenizer, 30, seed=5)
@@ -92,7 +90,7 @@ def test_reuse_needs_the_same_storage_precision_and_no_more(model, tokenizer):
     metrics = hit[-1].compression_metrics
     assert metrics["hit_rate"] > 0.8
     assert metrics["compressed_size"] <= 0.4 * metrics["original_size"] + 24 * engine.store.model_token_bytes
-    fresh = make_engine(model, tokenizer, compression=SETTINGS)
+    fresh = make_engine(model, tokenizer, compression=COMPRESS_OFTEN)
     alone = run(fresh, "c", longer, policy="snapkv", compression_rate=0.6)
     assert tokens_of(hit) == tokens_of(alone)
     assert metrics["entries"] == alone[-1].compression_metrics["entries"]
@@ -142,7 +140,7 @@ def test_memory_pressure_compresses_harder_before_preempting(model, tokenizer):
 
     def storm(ceiling: float) -> tuple:
         engine = make_engine(
-            model, tokenizer, max_cache_bytes=budget, compression={**SETTINGS, "pressure_rate_ceiling": ceiling}
+            model, tokenizer, max_cache_bytes=budget, compression={**COMPRESS_OFTEN, "pressure_rate_ceiling": ceiling}
         )
         for i, prompt in enumerate(prompts_):
             request = {"policy": "h2o", "compression_rate": 0.3, "kv_cache_dtype": "auto"}
@@ -192,7 +190,7 @@ def test_a_compaction_beside_a_parked_prompt_takes_its_pages_from_the_parked_pro
     and the compaction goes ahead, never past the arena, and no forward pass past the budget."""
     prompt = ids(tokenizer, 300, seed=30)
     budget = int(1.15 * make_engine(model, tokenizer).store.bytes_for(len(prompt) + 16))
-    engine = make_engine(model, tokenizer, max_cache_bytes=budget, compression=SETTINGS, prefix_cache=True)
+    engine = make_engine(model, tokenizer, max_cache_bytes=budget, compression=COMPRESS_OFTEN, prefix_cache=True)
     request = {"policy": "h2o", "compression_rate": 0.5, "kv_cache_dtype": "auto"}
     engine.add_request(
         "r", prompt, greedy(12, ignore_eos=True), resolve(engine.compression_config, request, True, True)
@@ -332,7 +330,7 @@ def test_a_request_whose_bytes_fit_but_whose_pages_are_held_by_parked_caches_of_
     an uncompressed request then fits in the free bytes but finds no free page. With nothing running,
     nothing else would free one: parked entries must go until its pages fit, or it waits forever."""
     budget = make_engine(model, tokenizer).store.bytes_for(600)
-    engine = make_engine(model, tokenizer, max_cache_bytes=budget, compression=SETTINGS, prefix_cache=True)
+    engine = make_engine(model, tokenizer, max_cache_bytes=budget, compression=COMPRESS_OFTEN, prefix_cache=True)
     prompts = [ids(tokenizer, 150, seed=60 + i) for i in range(14)]
     for i, prompt in enumerate(prompts):  # parked at int8, before their compression
         run(engine, f"p{i}", prompt, max_tokens=2, kv_cache_dtype="int8")

@@ -13,9 +13,7 @@ from confkv.compress.config import resolve
 from confkv.compress.library import DynamicKVCompressor
 from confkv.compress.spans import LONGEST_SPAN, pool_over_spans, span_ids, word_starts
 from confkv.engine.llm_engine import run_to_completion
-from tests.helpers import greedy, make_engine, tiny_model
-
-SETTINGS = {"sink_tokens": 4, "recent_window": 16, "compression_interval": 8, "score_interval": 2}
+from tests.helpers import COMPRESS_OFTEN, greedy, make_engine, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +70,7 @@ def partial_spans(engine, seq_id, ids, starts, protected: int) -> int:
         held = torch.zeros(len(ids), dtype=torch.bool)
         positions = engine.store.positions(seq_id, layer).long()
         held[positions[positions < len(ids)]] = True
-        for span in spans[protected : len(ids) - 2 * SETTINGS["recent_window"]].unique():
+        for span in spans[protected : len(ids) - 2 * COMPRESS_OFTEN["recent_window"]].unique():
             members = held[spans == span]
             partial += bool(members.any() and not members.all())
     return partial
@@ -84,7 +82,7 @@ def test_word_retention_keeps_or_drops_each_number_whole(tokenizer, starts, unit
     words); ranked by word, a layer splits at most the one word at its budget's margin at each
     compression."""
     model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
-    engine = make_engine(model, tokenizer, compression=SETTINGS)
+    engine = make_engine(model, tokenizer, compression=COMPRESS_OFTEN)
     ids = numbered_prompt(tokenizer, 24)
     request = {"policy": "random", "compression_rate": 0.7, "kv_cache_dtype": "auto", "retention_unit": unit}
     params = resolve(engine.compression_config, request, True, False)
