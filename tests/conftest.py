@@ -62,9 +62,9 @@ TIERS = {
     ),
     "engine": (
         "test_async_compression", "test_calibration", "test_compression", "test_decode_step_benchmark", "test_engine",
-        "test_engine_equivalence", "test_engine_faults", "test_layer_budgets", "test_library", "test_lookahead",
-        "test_policies", "test_predictor", "test_prefix_cache", "test_quality_benchmark", "test_random_weights",
-        "test_spans", "test_thresholds",
+        "test_engine_equivalence", "test_engine_faults", "test_fitting", "test_layer_budgets", "test_library",
+        "test_lookahead", "test_policies", "test_predictor", "test_prefix_cache", "test_quality_benchmark",
+        "test_random_weights", "test_spans", "test_thresholds",
     ),
     "server": (
         "test_app_faults", "test_bad_requests", "test_clients", "test_fuzz", "test_inspect", "test_middleware",

@@ -169,7 +169,7 @@ def test_without_weights_the_server_says_it_scores_by_attention_only(tmp_path, c
     llama = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
     with caplog.at_level("WARNING"):
         assert load_future_value(tmp_path / "none.safetensors", llama.config, torch.device("cpu"), 4) is None
-    assert "observed attention only" in caplog.text and "make train-predictor" in caplog.text
+    assert "observed attention only" in caplog.text and "conf-kv calibrate" in caplog.text
 
 
 @pytest.mark.parametrize(("min_attention", "logged"), [(0.0, "every drop"), (2.0, "none")])

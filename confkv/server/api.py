@@ -77,7 +77,7 @@ def build_engine(settings: Settings) -> LLMEngine:
         compression.kv_cache_dtype,
     )
     future_value = None
-    path = predictor_path(settings.model_path)
+    path = predictor_path(settings.model_path, model.config, compression.prediction_window)
     if settings.value_predictor not in ("off", "auto"):
         path = Path(settings.value_predictor)
     if settings.value_predictor != "off":

@@ -1,6 +1,7 @@
 """Start the CONF-KV server: `conf-kv --model-path DIR --port 8080 --compression-enabled true` (or
 `python -m confkv.server`, or `python serve.py` in a checkout; `--ray` for engine replicas on Ray Serve
-behind one ingress)."""
+behind one ingress). `conf-kv calibrate --model-path DIR` fits a model's retention confidence
+ahead of serving it (`confkv.compress.predictor.fitting`)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,12 @@ class GracefulServer(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = load_settings(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["calibrate"]:  # fit a model's retention confidence ahead of serving it
+        from confkv.compress.predictor.fitting import main as calibrate
+
+        return calibrate(argv[1:])
+    settings = load_settings(argv)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.ray:
         try:

@@ -19,6 +19,7 @@ import torch
 from confkv.compress.predictor.calibration import (
     DEFAULT_SHARE,
     SOURCES,
+    Calibration,
     Source,
     calibration_path,
     fit,
@@ -59,6 +60,17 @@ def outcomes(traces: dict[str, torch.Tensor], window: int, share: float) -> torc
     return needed(unscaled_attention(traces["targets"]), traces["held"].float(), window, share)
 
 
+def calibrate(
+    traces: dict[str, torch.Tensor], predictor: ValuePredictor, share: float = DEFAULT_SHARE
+) -> list[Calibration]:
+    """One table per source, fitted on `traces` for `predictor`'s window."""
+    window = predictor.config.prediction_window
+    relative = relative_values(traces, forecasts(predictor, traces["windows"]), make_policy("dynamic"), window)
+    outcome = outcomes(traces, window, share)
+    log.info("calibrating on %d samples, %.1f%% needed", len(outcome), 100 * float(outcome.float().mean()))
+    return [fit(relative[source], outcome, source, share, window) for source in SOURCES]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traces", type=Path, required=True)
@@ -76,14 +88,9 @@ def main() -> None:
     predictor = load_predictor(path, fingerprint)
     if predictor is None:
         raise SystemExit(f"no predictor at {path}: train one first (make train-predictor)")
-    window = predictor.config.prediction_window
-    traces = load_traces(args.traces)
-    relative = relative_values(traces, forecasts(predictor, traces["windows"]), make_policy("dynamic"), window)
-    outcome = outcomes(traces, window, args.share)
-    tables = [fit(relative[source], outcome, source, args.share, window) for source in SOURCES]
     out = calibration_path(path)
-    save_calibrations(tables, out, fingerprint)
-    log.info("saved %s (%d samples, %.1f%% needed)", out, len(outcome), 100 * float(outcome.float().mean()))
+    save_calibrations(calibrate(load_traces(args.traces), predictor, args.share), out, fingerprint)
+    log.info("saved %s", out)
 
 
 if __name__ == "__main__":

@@ -213,41 +213,80 @@ def _sample_layer(
         parts["decayed_total"].append(torch.full((n,), float(decayed[:present].sum())))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-path", type=Path, default=None)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--sequences", type=int, default=24)
-    parser.add_argument("--prompt-tokens", type=int, default=800)
-    parser.add_argument("--max-tokens", type=int, default=320)
-    parser.add_argument("--stride", type=int, default=3, help="observations between samples")
-    parser.add_argument("--entries-per-step", type=int, default=48)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    config = PredictorConfig.load()
-    serving = CompressionConfig.load()  # the observation timeline to reproduce
-    model, tokenizer = load_model(args.model_path, torch.device("cpu"))
+@dataclass(frozen=True)
+class TraceSize:
+    """How much a collection records (`make collect-traces`' defaults)."""
+
+    sequences: int = 24
+    prompt_tokens: int = 800
+    max_tokens: int | None = None  # decode steps per sequence (None: 2.5 x the prediction window, 320 for 128)
+    stride: int = 3  # observations between samples
+    entries_per_step: int = 48
+
+    def decode_steps(self, prediction_window: int) -> int:
+        return self.max_tokens or prediction_window * 5 // 2
+
+
+def corpus_prompts(tokenizer, sequences: int, prompt_tokens: int) -> list[list[int]]:
+    """Prompts from the built-in corpus, in turn a question about a document, a chat asking for a
+    summary, and a free continuation."""
     texts = paragraphs()
     prompts = []
-    for i in range(args.sequences):
+    for i in range(sequences):
         document = " ".join(texts[(7 * i + j) % len(texts)] for j in range(12))
-        ids = tokenizer(document).input_ids[: args.prompt_tokens]
-        kind = i % 3  # a question about the document, a chat, or a free continuation
-        if kind < 2:
+        ids = tokenizer(document).input_ids[:prompt_tokens]
+        kind = i % 3
+        if kind < 2 and tokenizer.chat_template:
             question = "What is the text above about?" if kind == 0 else "Summarise this for a colleague."
-            text = tokenizer.decode(ids) + "\n\n" + question
-            messages = [{"role": "user", "content": text}]
+            messages = [{"role": "user", "content": tokenizer.decode(ids) + "\n\n" + question}]
             chat = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             ids = tokenizer(chat, add_special_tokens=False).input_ids
         prompts.append(ids)
+    return prompts
+
+
+def collect(
+    model, tokenizer, config: PredictorConfig, size: TraceSize, serving: CompressionConfig | None = None, seed: int = 0
+) -> list[dict[str, torch.Tensor]]:
+    """Record `size.sequences` corpus prompts on `model` with an uncompressed cache observed at every
+    step, and turn each recording into samples for `config`'s window (one dict per sequence). The
+    observation timeline is the one `serving` (the server's compression config) will follow."""
+    max_tokens = size.decode_steps(config.prediction_window)
+    if max_tokens <= config.prediction_window:
+        raise ValueError(
+            f"max_tokens ({max_tokens}) must exceed prediction_window ({config.prediction_window}): a sample's "
+            "target is the attention over the window that follows it"
+        )
+    serving = serving or CompressionConfig.load()
     recording = serving.model_copy(update={"score_interval": 1, "compression_interval": 10**6})
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_cache_bytes=2**32, max_num_seqs=8), recording)
+    engine_config = EngineConfig(max_cache_bytes=2**32, max_num_seqs=8)
+    engine = LLMEngine(model, tokenizer, engine_config, recording, calibrations={})  # nothing is dropped: none needed
     decay = make_policy("dynamic", serving.policy_options.get("dynamic")).decay
-    rng = random.Random(0)
+    rng = random.Random(seed)
+    prompts = corpus_prompts(tokenizer, size.sequences, size.prompt_tokens)
+    return [
+        samples(rec, config, serving.score_interval, decay, size.stride, size.entries_per_step, rng)
+        for rec in record(engine, prompts, max_tokens)
+    ]
+
+
+def main() -> None:
+    defaults = TraceSize()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", type=Path, default=None)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sequences", type=int, default=defaults.sequences)
+    parser.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens)
+    parser.add_argument("--max-tokens", type=int, default=None, help="default: 2.5 x the prediction window")
+    parser.add_argument("--stride", type=int, default=defaults.stride, help="observations between samples")
+    parser.add_argument("--entries-per-step", type=int, default=defaults.entries_per_step)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    size = TraceSize(args.sequences, args.prompt_tokens, args.max_tokens, args.stride, args.entries_per_step)
+    model, tokenizer = load_model(args.model_path, torch.device("cpu"))
     args.out.mkdir(parents=True, exist_ok=True)
-    for i, rec in enumerate(record(engine, prompts, args.max_tokens)):
-        tensors = samples(rec, config, serving.score_interval, decay, args.stride, args.entries_per_step, rng)
+    for i, tensors in enumerate(collect(model, tokenizer, PredictorConfig.load(), size)):
         save_file(tensors, str(args.out / f"trace-{i:03d}.safetensors"))
 
 

@@ -10,6 +10,7 @@ them.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,9 +62,8 @@ class FutureValue:
         if prediction_window != trained:
             raise ValueError(
                 f"prediction_window is {prediction_window} but the value predictor was trained to forecast "
-                f"{trained} tokens ahead: set prediction_window to {trained} in the compression config, or train "
-                "a predictor for that window (prediction_window in confkv/config/prediction_model.yaml, then "
-                "`make train-predictor`)"
+                f"{trained} tokens ahead: set prediction_window to {trained} in the compression config, or fit "
+                "one for that window (`conf-kv calibrate --model-path DIR --prediction-window N`)"
             )
 
     @torch.inference_mode()
@@ -106,12 +106,24 @@ class FutureValue:
         return {job.seq_id: {layer: next(ordered) for layer in job.layers} for job in jobs}
 
 
-def predictor_path(model_path: Path | None) -> Path:
-    """Where a model's predictor lives: in its folder, where the folder brings one (PREDICTOR_FILE),
-    else confkv/compress/predictor/weights/<model folder name>.safetensors."""
-    if model_path is not None and (Path(model_path) / PREDICTOR_FILE).is_file():
-        return Path(model_path) / PREDICTOR_FILE
-    return PREDICTOR_DIR / f"{model_path.name if model_path else MODEL_NAME}.safetensors"
+def predictor_path(model_path: Path | None, model_config=None, prediction_window: int | None = None) -> Path:
+    """Where a model's predictor lives, the first that exists of: the model folder's own
+    (PREDICTOR_FILE); given the model's config and window, the one fitted for them (`fitted_dir`,
+    `conf-kv calibrate`); the one shipped for it, confkv/compress/predictor/weights/<model folder
+    name>.safetensors (the last when none exists)."""
+    candidates = [Path(model_path) / PREDICTOR_FILE] if model_path is not None else []
+    if model_config is not None and prediction_window is not None:
+        candidates.append(fitted_dir(model_config, prediction_window) / PREDICTOR_FILE)
+    candidates.append(PREDICTOR_DIR / f"{model_path.name if model_path else MODEL_NAME}.safetensors")
+    return next((path for path in candidates if path.is_file()), candidates[-1])
+
+
+def fitted_dir(model_config, prediction_window: int) -> Path:
+    """Where the predictor and calibration fitted for a model (`conf-kv calibrate`) are kept: under
+    $CONFKV_CONFIDENCE_CACHE, else ~/.cache/conf-kv/confidence, by the model's fingerprint and the
+    window they forecast, never inside the package."""
+    root = Path(os.environ.get("CONFKV_CONFIDENCE_CACHE") or Path.home() / ".cache" / "conf-kv" / "confidence")
+    return root / f"{model_fingerprint(model_config)}-w{prediction_window}"
 
 
 def load_future_value(
@@ -123,7 +135,7 @@ def load_future_value(
     if predictor is None:
         log.warning(
             "no value predictor at %s: the dynamic policy scores by observed attention only "
-            "(train one for this model with `make train-predictor`)",
+            "(fit one for this model with `conf-kv calibrate --model-path DIR`)",
             path,
         )
         return None
@@ -139,7 +151,7 @@ def load_retention(predictor_file: Path, model_config) -> dict[Source, Calibrati
     if not calibrations:
         log.warning(
             "no retention calibration for this model at %s: dynamic's thresholds do not decide, its rate does "
-            "(fit one with `make train-predictor`)",
+            "(fit one with `conf-kv calibrate --model-path DIR`)",
             path,
         )
     return calibrations

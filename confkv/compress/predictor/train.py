@@ -45,8 +45,12 @@ def trace_files(folder: Path, held_out: bool) -> list[Path]:
 
 
 def load_traces(folder: Path, held_out: bool = False) -> dict[str, torch.Tensor]:
-    """The tensors of the training (or held-out) trace files, concatenated; groups stay distinct."""
-    parts = [load_file(str(f)) for f in trace_files(folder, held_out)]
+    """The tensors of the training (or held-out) trace files, concatenated."""
+    return concat_traces([load_file(str(f)) for f in trace_files(folder, held_out)])
+
+
+def concat_traces(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Samples of several sequences as one set; each sequence's groups stay distinct."""
     offsets = torch.tensor([0] + [int(p["groups"].max()) + 1 if len(p["groups"]) else 0 for p in parts]).cumsum(0)
     for part, offset in zip(parts, offsets, strict=False):
         part["groups"] = part["groups"] + offset
