@@ -119,13 +119,13 @@ def test_metrics_read_the_engine_between_steps_and_do_not_wait_on_a_hung_step(ti
 
 
 def test_a_step_that_hangs_past_the_iteration_timeout_is_declared_dead_not_waited_on(tiny_model_dir, caplog):
-    settings = Settings(model_path=tiny_model_dir, max_cache_size="64", torch_threads=1, engine_iteration_timeout=1.0)
+    settings = Settings(model_path=tiny_model_dir, max_cache_size="64", torch_threads=1, engine_iteration_timeout=2.0)
     app = create_app(settings)
     dead: list[BaseException] = []
     app.state.on_engine_dead = dead.append
     with TestClient(app) as client:
         body = {"prompt": "Hello there", "max_tokens": 3, "temperature": 0}
-        time.sleep(1.5)  # an idle loop is not a hung one
+        time.sleep(2.5)  # an idle loop is not a hung one
         assert client.post("/generate", json=body).status_code == 200 and not dead
         engine, release = client.app.state.engine.llm_engine, threading.Event()
         step = engine.step
