@@ -18,6 +18,9 @@ from confkv.models.loader import load_model  # noqa: E402
 from tests.helpers import LiveServer, tiny_model  # noqa: E402
 
 torch.set_num_threads(2)
+# NOTE: a server on a model with no confidence for it (the tiny random ones) would fit one in a child
+# process; the tests that are about that turn it on.
+os.environ.setdefault("CONFKV_CALIBRATION__BACKGROUND", "false")
 
 
 @pytest.fixture(scope="session")

@@ -68,6 +68,17 @@ class Compressor:
         self.hooks = CompressionHooks()
         self._failed: dict[int, str] = {}  # seq_id -> error, of compressions that raised, until taken
 
+    def use_confidence(self, future_value: FutureValue | None, calibrations: dict[Source, Calibration]) -> None:
+        """What dynamic's confidence stands on from now (a background fitting ended): each sequence
+        takes it at its next compression."""
+        if future_value is not None and future_value.history_steps > self.store.stats.history_steps:
+            raise ValueError(
+                f"the predictor reads {future_value.history_steps} observations per entry and the KV store keeps "
+                f"{self.store.stats.history_steps}: it needs an engine built with history_steps for it"
+            )
+        self.future_value = future_value
+        self.calibrations = calibrations
+
     # ----- lifecycle ---------------------------------------------------------------------
     def register(self, seq_id: int, params: CompressionParams, prompt_len: int) -> None:
         if params.active and params.retention_unit == "word" and self.word_starts is None:

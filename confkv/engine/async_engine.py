@@ -71,6 +71,12 @@ class _CutOff:
     error: str
 
 
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], object]
+    answer: concurrent.futures.Future
+
+
 class AsyncEngine:
     def __init__(
         self,
@@ -143,6 +149,13 @@ class AsyncEngine:
         """End every request in flight now (shutdown past its grace period): each gets a final
         output, finish reason `abort` with `error`, and its memory comes back."""
         self._inbox.put(_CutOff(error))
+
+    def call(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
+        """Run `fn(engine)` on the loop between two steps, where nothing else touches the engine;
+        the future holds its result or its exception."""
+        call = _Call(fn, concurrent.futures.Future())
+        self._inbox.put(call)
+        return call.answer
 
     # ----- requests ----------------------------------------------------------------------
     async def generate(
@@ -256,6 +269,11 @@ class AsyncEngine:
                 item.answer.set_result(self._last_snapshot)
             elif isinstance(item, _CutOff):
                 self._cut_off(item.error)
+            elif isinstance(item, _Call):
+                try:
+                    item.answer.set_result(item.fn(self.llm_engine))
+                except Exception as exc:  # the caller's to handle; the loop goes on
+                    item.answer.set_exception(exc)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

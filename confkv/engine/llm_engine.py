@@ -45,6 +45,9 @@ class EngineConfig:
     # Plan due compressions on a worker thread beside the next step's forward pass; the sequences
     # they compress sit that step out (`confkv.engine.compression_worker`).
     async_compression: bool = False
+    # Observations each entry keeps for a value predictor that arrives later (one is being fitted
+    # in the background): the store's rows are laid out once, at build.
+    history_steps: int = 0
 
 
 @dataclass
@@ -110,7 +113,7 @@ class LLMEngine:
             model,
             config.max_cache_bytes,
             self.compression_config.key_only_value_bits,
-            future_value.history_steps if future_value else 0,
+            max(future_value.history_steps if future_value else 0, config.history_steps),
             self.compression_config.key_rotation,
         )
         self.compression = Compressor(

@@ -7,7 +7,6 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from pathlib import Path
 from typing import Annotated
 
 import torch
@@ -20,12 +19,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from confkv.compress.config import resolve
-from confkv.compress.predictor.misses import MissLog
-from confkv.compress.predictor.online import load_future_value, load_retention, predictor_path
 from confkv.engine.async_engine import AsyncEngine, EngineDeadError
 from confkv.engine.llm_engine import EngineConfig, LLMEngine
 from confkv.kv.kv_store import memory_for_cache
 from confkv.models.loader import load_model, profile_forward
+from confkv.server.calibration import BackgroundCalibration, server_confidence
 from confkv.server.inspect_api import assets as inspect_assets
 from confkv.server.inspect_api import router as inspect_router
 from confkv.server.metrics import Metrics
@@ -46,7 +44,8 @@ from confkv.server.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def build_engine(settings: Settings) -> LLMEngine:
+def build_engine(settings: Settings) -> tuple[LLMEngine, BackgroundCalibration]:
+    """The engine, and the state of its retention confidence (with the fitting to start where it has none)."""
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     device = settings.resolved_device()
@@ -55,6 +54,8 @@ def build_engine(settings: Settings) -> LLMEngine:
     if device.type == "cuda":  # a share of device memory is a share of what the activations leave
         profile_forward(model, settings.max_num_batched_tokens)
     compression = settings.compression()
+    confidence = server_confidence(settings, model.config, compression, device)
+    calibration = BackgroundCalibration(settings, model.config, confidence, device)
     config = EngineConfig(
         max_cache_bytes=settings.max_cache_bytes(),
         max_num_seqs=settings.max_num_seqs,
@@ -62,6 +63,7 @@ def build_engine(settings: Settings) -> LLMEngine:
         prefix_cache=settings.enable_prefix_cache,
         async_compression=settings.async_compression,
         lru_k=compression.lru_k,
+        history_steps=calibration.history_steps() if calibration.wanted else 0,
     )
     log.info(
         "KV cache budget %.1f MiB (max_cache_size %s; memory for the cache %.1f MiB, %s); prefix cache %s; "
@@ -76,18 +78,7 @@ def build_engine(settings: Settings) -> LLMEngine:
         compression.compression_rate,
         compression.kv_cache_dtype,
     )
-    future_value = None
-    path = predictor_path(settings.model_path, model.config, compression.prediction_window)
-    if settings.value_predictor not in ("off", "auto"):
-        path = Path(settings.value_predictor)
-    if settings.value_predictor != "off":
-        misses = None
-        if settings.predictor_error_samples is not None:
-            misses = MissLog(settings.predictor_error_samples, compression.prediction_window)
-        future_value = load_future_value(path, model.config, device, compression.score_interval, misses)
-        if future_value is not None:
-            future_value.require_window(compression.prediction_window)
-    engine = LLMEngine(model, tokenizer, config, compression, future_value, load_retention(path, model.config))
+    engine = LLMEngine(model, tokenizer, config, compression, confidence.future_value, confidence.calibrations)
     arena = engine.store.allocator.arena
     log.info(
         "KV arena allocated: %.1f MiB on %s, %d pages of %.0f KiB (the budget and the spare pages every storage "
@@ -99,7 +90,7 @@ def build_engine(settings: Settings) -> LLMEngine:
     )
     if settings.prefix_cache_warmup:
         warm_up(engine, settings)
-    return engine
+    return engine, calibration
 
 
 def warm_up(engine: LLMEngine, settings: Settings) -> None:
@@ -152,7 +143,7 @@ def _lifespan(settings: Settings) -> Callable[[FastAPI], AbstractAsyncContextMan
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics = Metrics()
-        engine = build_engine(settings)
+        engine, calibration = build_engine(settings)
         metrics.set_slo(settings.slo_ttft_seconds, settings.slo_tpot_seconds, settings.slo_min_requests)
         loop = AsyncEngine(
             engine,
@@ -165,7 +156,11 @@ def _lifespan(settings: Settings) -> Callable[[FastAPI], AbstractAsyncContextMan
             app.state.on_engine_dead = lambda error: log.critical("the engine loop is dead: %r", error)
         metrics.bind_engine(loop.snapshot, engine.store.device)
         metrics.bind_loop(loop)
+        metrics.calibration.state(calibration.state)
+        calibration.listeners.append(metrics.calibration.state)
         loop.start()
+        calibration.start(loop)
+        app.state.calibration = calibration
         app.state.metrics = metrics
         app.state.engine = loop
         app.state.service = GenerateService(loop, engine.tokenizer, settings, metrics)
@@ -174,6 +169,7 @@ def _lifespan(settings: Settings) -> Callable[[FastAPI], AbstractAsyncContextMan
         try:
             yield
         finally:
+            calibration.stop()
             loop.stop()
 
     return lifespan
@@ -246,7 +242,8 @@ async def health(request: Request):
     engine: AsyncEngine | None = getattr(request.app.state, "engine", None)
     if engine is not None and engine.error is not None:
         return JSONResponse(status_code=503, content={"status": "engine_failed", "error": repr(engine.error)})
-    return {"status": "ok"}
+    calibration: BackgroundCalibration | None = getattr(request.app.state, "calibration", None)
+    return {"status": "ok", "calibration": calibration.state if calibration else None}
 
 
 @router.get("/ready", response_model=HealthStatus, response_model_exclude_none=True, responses=_HEALTH_503)

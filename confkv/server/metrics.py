@@ -8,13 +8,15 @@ read while a step changes it; per-request and per-step figures are observed as t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import get_args
 
 import psutil
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from confkv.compress.predictor.online import CalibrationState
 from confkv.engine.async_engine import AsyncEngine
 from confkv.engine.llm_engine import EngineSnapshot, StepStats
 from confkv.kv.prefix_cache import PARKED
@@ -116,6 +118,13 @@ class Metrics:
             "Compression on the critical path of one engine step: the time the step waited for it (steps "
             "that compressed)",
             buckets=buckets,
+            registry=r,
+        )
+        self.calibration = Enum(
+            "kv_calibration",
+            "What dynamic's retention confidence stands on: shipped or fitted (its thresholds decide), fitting (in "
+            "the background; its rate decides until then) or rate only",
+            states=list(get_args(CalibrationState)),
             registry=r,
         )
         self.compression_background_time = Histogram(

@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from confkv.compress.predictor.online import CalibrationState
 from confkv.server.sampling_options import SamplingOptions, StopTokenIds
 
 
@@ -102,6 +103,12 @@ class HealthStatus(BaseModel):
         "after a crash: ready again within seconds) or shutting_down"
     )
     error: str | None = Field(None, description="why the engine loop stopped (engine_failed)")
+    calibration: CalibrationState | None = Field(
+        None,
+        description="what dynamic's retention confidence stands on (/health): a predictor and calibration shipped "
+        "with the package or the model, fitted for this model and window, being fitted in the background (the rate "
+        "decides until then), or none (the rate alone decides)",
+    )
 
 
 class ErrorBody(BaseModel):

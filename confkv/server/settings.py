@@ -63,6 +63,25 @@ class ClusterSettings(BaseModel):
         return self
 
 
+class CalibrationSettings(BaseModel):
+    """Fitting the retention confidence of a model that has none for its fingerprint and
+    prediction_window (flags `--calibration.NAME`, env `CONFKV_CALIBRATION__NAME`)."""
+
+    model_config = {"extra": "forbid"}
+
+    background: bool = Field(
+        True,
+        description="fit it in a child process while the server serves by the rate alone, then switch dynamic to the "
+        "thresholds without a restart (on the CPU, whatever the server's device); false: the rate alone until "
+        "`conf-kv calibrate` is run",
+    )
+    threads: int = Field(
+        1, ge=1, description="CPU threads of the background fitting, which runs at the lowest scheduling priority"
+    )
+    sequences: int = Field(24, ge=2, description="built-in corpus sequences recorded (fewer: faster and noisier)")
+    prompt_tokens: int = Field(800, ge=32, description="tokens of each recorded prompt")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="CONFKV_",
@@ -175,6 +194,7 @@ class Settings(BaseSettings):
         False, description="serve through Ray Serve replicas behind one ingress (pip install .[distributed])"
     )
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
+    calibration: CalibrationSettings = Field(default_factory=CalibrationSettings)
 
     def api_keys(self) -> list[str]:
         keys = [self.api_key] if self.api_key else []

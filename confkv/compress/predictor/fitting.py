@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -70,16 +72,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="default: where the server looks for it")
     parser.add_argument("--sequences", type=int, default=TraceSize.sequences, help="corpus sequences to record")
     parser.add_argument("--prompt-tokens", type=int, default=TraceSize.prompt_tokens, help="tokens of each prompt")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads on the CPU")
+    parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:1...")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     serving = CompressionConfig.load(args.compression_config)
     if args.prediction_window is not None:
         serving = serving.model_copy(update={"prediction_window": args.prediction_window})
-    model, tokenizer = load_model(args.model_path, torch.device("cpu"))
+    model, tokenizer = load_model(args.model_path, torch.device(args.device))
     out = args.out or fitted_dir(model.config, serving.prediction_window)
-    fit_confidence(model, tokenizer, out, serving, TraceSize(args.sequences, args.prompt_tokens))
+    # NOTE: fitted into a folder of its own, then renamed: a server never finds half a fitting,
+    # and one stopped midway leaves the last complete one in place.
+    partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    partial.mkdir(parents=True)
+    try:
+        fit_confidence(model, tokenizer, partial, serving, TraceSize(args.sequences, args.prompt_tokens))
+        if out.exists():
+            shutil.rmtree(out)
+        partial.rename(out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    log.info("saved in %s", out)
 
 
 if __name__ == "__main__":

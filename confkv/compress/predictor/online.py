@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -58,13 +59,17 @@ class FutureValue:
 
     def require_window(self, prediction_window: int) -> None:
         """Refuse settings whose `prediction_window` is not the one the predictor was trained for."""
+        if prediction_window != self.predictor.config.prediction_window:
+            raise ValueError(self.window_mismatch(prediction_window))
+
+    def window_mismatch(self, prediction_window: int) -> str:
         trained = self.predictor.config.prediction_window
-        if prediction_window != trained:
-            raise ValueError(
-                f"prediction_window is {prediction_window} but the value predictor was trained to forecast "
-                f"{trained} tokens ahead: set prediction_window to {trained} in the compression config, or fit "
-                "one for that window (`conf-kv calibrate --model-path DIR --prediction-window N`)"
-            )
+        return (
+            f"prediction_window is {prediction_window} but the value predictor was trained to forecast "
+            f"{trained} tokens ahead: set prediction_window to {trained} in the compression config, or fit "
+            "one for that window (`conf-kv calibrate --model-path DIR --prediction-window N`, or let the "
+            "server fit it in the background)"
+        )
 
     @torch.inference_mode()
     def predict(self, store: KVStore, jobs: list[PredictionJob]) -> dict[int, dict[int, Forecast]]:
@@ -124,6 +129,50 @@ def fitted_dir(model_config, prediction_window: int) -> Path:
     window they forecast, never inside the package."""
     root = Path(os.environ.get("CONFKV_CONFIDENCE_CACHE") or Path.home() / ".cache" / "conf-kv" / "confidence")
     return root / f"{model_fingerprint(model_config)}-w{prediction_window}"
+
+
+# What dynamic's retention confidence stands on: a predictor and calibration shipped with the
+# package or the model folder, one fitted for this model and window, one being fitted in the
+# background, or none (the rate alone decides).
+CalibrationState = Literal["shipped", "fitted", "fitting", "rate only"]
+
+
+@dataclass
+class Confidence:
+    """The value predictor and the retention calibration a server uses, and where they came from."""
+
+    future_value: FutureValue | None = None
+    calibrations: dict[Source, Calibration] = field(default_factory=dict)
+    state: CalibrationState = "rate only"
+
+
+def load_confidence(
+    path: Path,
+    model_config,
+    device: torch.device,
+    score_interval: int,
+    prediction_window: int,
+    misses: MissLog | None = None,
+    with_predictor: bool = True,
+) -> Confidence:
+    """The predictor at `path` (unless not `with_predictor`) and the calibration beside it, for this
+    model and window. What was fitted (`fitted_dir`) and cannot be read, or a predictor for another
+    window, counts as none, with a log line: it is fitted again. Another model's predictor is refused."""
+    fitted = path.parent == fitted_dir(model_config, prediction_window)
+    try:
+        future_value = load_future_value(path, model_config, device, score_interval, misses) if with_predictor else None
+        calibrations = load_retention(path, model_config)
+    except Exception as exc:
+        if not fitted:
+            raise
+        log.warning("the confidence fitted at %s cannot be read (%s): it counts as none and is fitted again", path, exc)
+        return Confidence()
+    if future_value is not None and future_value.predictor.config.prediction_window != prediction_window:
+        log.warning("%s", future_value.window_mismatch(prediction_window))
+        return Confidence()
+    if not calibrations:
+        return Confidence(future_value)
+    return Confidence(future_value, calibrations, "fitted" if fitted else "shipped")
 
 
 def load_future_value(
