@@ -35,11 +35,13 @@ def load_with_predictor(
     dtype: torch.dtype | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, FutureValue | None]:
     """The model at `model_path` (default: the embedded one) on `device` in `dtype` (None: what
-    `load_model` picks), its tokenizer, and the value predictor at `predictor` (default: the model's
-    shipped one), None where there is none."""
+    `load_model` picks), its tokenizer, and the value predictor at `predictor` (default: the one a
+    server would find for the model, `predictor_path`), None where there is none. Engines given it
+    take the calibration beside it."""
     model, tokenizer = load_model(model_path, device, dtype)
-    path = predictor or predictor_path(model_path)
-    return model, tokenizer, load_future_value(path, model.config, device, CompressionConfig().score_interval)
+    config = CompressionConfig()
+    path = predictor or predictor_path(model_path, model.config, config.prediction_window)
+    return model, tokenizer, load_future_value(path, model.config, device, config.score_interval)
 
 
 def decoding_engine(

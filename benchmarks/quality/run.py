@@ -343,7 +343,7 @@ def main() -> None:
     peers_threads = max(1, args.threads // 2) if alongside else args.threads
     torch.set_num_threads(max(1, args.threads - peers_threads) if alongside else args.threads)
 
-    model, tokenizer, future_value = load_with_predictor(args.model_path)
+    model, tokenizer, future_value = load_with_predictor(args.model_path, args.predictor)
     tasks = build_tasks(
         tokenizer,
         args.needles,
@@ -377,6 +377,12 @@ def parse_args() -> argparse.Namespace:
         "--peers-from", type=Path, nargs="+", default=None, help="kvpress runner outputs to score (no rerun)"
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--predictor",
+        type=Path,
+        default=None,
+        help="value predictor weights, its calibration beside them (default: those a server finds for the model)",
+    )
     parser.add_argument("--quick", action="store_true", help="3 needles, 2 summaries, a short perplexity, rate 0.6")
     parser.add_argument("--out", type=Path, default=None, help="default: results/quality_NAME for runs/NAME.yaml")
     args = parser.parse_args()

@@ -27,7 +27,7 @@ from transformers import Cache, LogitsProcessorList, PreTrainedModel, PreTrained
 from confkv.compress.compressor import Compressor
 from confkv.compress.config import CompressionConfig, parse_size, resolve
 from confkv.compress.predictor.calibration import Calibration, Source
-from confkv.compress.predictor.online import FutureValue, load_retention, predictor_path
+from confkv.compress.predictor.online import FutureValue, calibrations_for
 from confkv.compress.spans import word_starts
 from confkv.compress.state import CompressionMetrics
 from confkv.kv.attention import ATTENTION_NAME, PackedBatch, Segment, register_attention
@@ -76,7 +76,7 @@ class DynamicKVCompressor(Cache):
         `prediction_window`: the config's (the window the predictor was trained for); another is refused.
         `future_value`: the value predictor for the `dynamic` policy (`load_future_value`); without it,
         dynamic scores by observed attention only. `calibrations`: the retention confidence's tables
-        (`load_retention`; None: those shipped for the model, if any). `tokenizer`: the model's, which
+        (`load_retention`; None: those that go with `future_value`, `calibrations_for`). `tokenizer`: the model's, which
         `retention_unit="word"` (the default) needs to tell where words begin; without it, entries are kept
         token by token unless `retention_unit` is given. Other options (`compression_interval`,
         `thresholds={...}`, `kv_cache_dtype`, `policy_options={...}`) are those of a request's
@@ -167,7 +167,7 @@ class DynamicKVCompressor(Cache):
             self.config.key_rotation,
         )
         if self.calibrations is None:
-            self.calibrations = load_retention(predictor_path(None), model.config)
+            self.calibrations = calibrations_for(self.future_value, model.config, self.config.prediction_window)
         self.compressor = Compressor(
             self.store, future_value=self.future_value, calibrations=self.calibrations, word_starts=self.word_starts
         )

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from confkv.compress.compressor import Compressor
 from confkv.compress.config import CompressionConfig, CompressionParams, resolve
 from confkv.compress.predictor.calibration import Calibration, Source
-from confkv.compress.predictor.online import FutureValue, load_retention, predictor_path
+from confkv.compress.predictor.online import FutureValue, calibrations_for
 from confkv.compress.spans import word_starts
 from confkv.engine.compression_worker import CompressionWorker
 from confkv.engine.listeners import CompressionListener, PrefixCacheListener
@@ -103,7 +103,8 @@ class LLMEngine:
         future_value: FutureValue | None = None,
         calibrations: dict[Source, Calibration] | None = None,
     ) -> None:
-        """`calibrations`: the retention confidence's tables (None: those shipped for this model, if any)."""
+        """`calibrations`: the retention confidence's tables (None: those that go with `future_value`,
+        or a server's for this model; `calibrations_for`)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config
@@ -121,7 +122,9 @@ class LLMEngine:
             self.compression_config.pressure_rate_ceiling,
             self.compression_config.pressure_rate_step,
             future_value,
-            load_retention(predictor_path(None), model.config) if calibrations is None else calibrations,
+            calibrations_for(future_value, model.config, self.compression_config.prediction_window)
+            if calibrations is None
+            else calibrations,
             word_starts(tokenizer),
         )
         self.runner = ModelRunner(model, self.store)

@@ -48,8 +48,11 @@ class PredictionJob:
 
 
 class FutureValue:
-    def __init__(self, predictor: ValuePredictor, score_interval: int, misses: MissLog | None = None) -> None:
+    def __init__(
+        self, predictor: ValuePredictor, score_interval: int, misses: MissLog | None = None, path: Path | None = None
+    ) -> None:
         self.predictor = predictor
+        self.path = path  # where its weights were read, and its calibration lies beside them
         self.score_interval = score_interval  # decode steps between the observations an entry keeps
         self.misses = misses  # where dropped entries that drew attention are logged, if anywhere
 
@@ -189,7 +192,17 @@ def load_future_value(
         )
         return None
     log.info("value predictor %s loaded (%s)", path, predictor.config.short_description)
-    return FutureValue(predictor.to(device), score_interval, misses)
+    return FutureValue(predictor.to(device), score_interval, misses, path)
+
+
+def calibrations_for(
+    future_value: FutureValue | None, model_config, prediction_window: int
+) -> dict[Source, Calibration]:
+    """The retention calibration that goes with `future_value` (beside its weights); without one,
+    the one a server would find for this model and window."""
+    if future_value is not None and future_value.path is not None:
+        return load_retention(future_value.path, model_config)
+    return load_retention(predictor_path(None, model_config, prediction_window), model_config)
 
 
 def load_retention(predictor_file: Path, model_config) -> dict[Source, Calibration]:
