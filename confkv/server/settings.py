@@ -107,8 +107,9 @@ class Settings(BaseSettings):
     )
     value_predictor: str = Field(
         "auto",
-        description="future-value predictor weights (safetensors) for the dynamic policy; auto: "
-        "confkv/compress/predictor/weights/<model folder name>.safetensors if present; off: observed attention only",
+        description="future-value predictor weights (safetensors) for the dynamic policy, its calibration beside them; "
+        "auto: the model folder's own, else one fitted for the model and prediction_window (`conf-kv calibrate`, or "
+        "the background fitting), else the one shipped; off: observed attention only",
     )
     predictor_error_samples: Path | None = Field(
         None,
