@@ -145,6 +145,13 @@ class AsyncEngine:
             return query.answer.result(timeout)
         return self._last_snapshot
 
+    def lost(self, why: str) -> None:
+        """Something the engine cannot go on without is gone (a tensor-parallel rank): the loop is
+        dead, every request in flight gets `why`, and the server exits to be restarted."""
+        self._stopping.set()
+        self._inbox.put(None)
+        self._die(RuntimeError(why), why)
+
     def cut_off(self, error: str) -> None:
         """End every request in flight now (shutdown past its grace period): each gets a final
         output, finish reason `abort` with `error`, and its memory comes back."""

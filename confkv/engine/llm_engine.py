@@ -26,9 +26,11 @@ from confkv.engine.outputs import Outputs, RequestOutput
 from confkv.engine.sampler import History, SampleOutput, sample
 from confkv.engine.scheduler import Scheduler, SchedulerOutput, SequenceListener
 from confkv.engine.sequence import FinishReason, SamplingParams, ScheduledChunk, Sequence, SequenceStatus
+from confkv.engine.tensor_parallel import Followers, RankObserver, StepOrder
 from confkv.kv.kv_store import KVBudgetExceeded, KVStore
 from confkv.kv.prefix_cache import PrefixCache
 from confkv.models.loader import attention_window
+from confkv.models.parallel import SINGLE, RankGroup
 
 log = logging.getLogger(__name__)
 # The profiler's name for the compression after a step (lookahead included): its share of the step.
@@ -102,9 +104,12 @@ class LLMEngine:
         compression: CompressionConfig | None = None,
         future_value: FutureValue | None = None,
         calibrations: dict[Source, Calibration] | None = None,
+        ranks: RankGroup = SINGLE,
     ) -> None:
         """`calibrations`: the retention confidence's tables (None: those that go with `future_value`,
-        or a server's for this model; `calibrations_for`)."""
+        or a server's for this model; `calibrations_for`). `ranks`: the tensor-parallel group this
+        engine is a rank of (`confkv.engine.tensor_parallel`); rank 0 sends the others their orders
+        once `followers` is set."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config
@@ -116,6 +121,7 @@ class LLMEngine:
             self.compression_config.key_only_value_bits,
             max(future_value.history_steps if future_value else 0, config.history_steps),
             self.compression_config.key_rotation,
+            ranks,
         )
         self.compression = Compressor(
             self.store,
@@ -127,6 +133,10 @@ class LLMEngine:
             else calibrations,
             word_starts(tokenizer),
         )
+        self.ranks = ranks
+        self.observer = RankObserver(self.compression, ranks) if ranks.size > 1 else self.compression
+        self.followers: Followers | None = None  # rank 0 of a tensor-parallel group: the other ranks
+        self._orders: list[tuple[str, tuple]] = []  # what the followers apply before the next step
         self.runner = ModelRunner(model, self.store)
         self.prefix_cache = PrefixCache(self.store, config.lru_k) if config.prefix_cache else None
         if self.prefix_cache is not None:
@@ -174,6 +184,7 @@ class LLMEngine:
         self.compression.register(seq.seq_id, compression, seq.num_prompt_tokens)
         seq.prefill_tail = self.compression.prefill_tail(seq.seq_id)
         self.scheduler.add(seq)
+        self._order("add_request", request_id, prompt_token_ids, params, compression)
         return seq
 
     def warm_up(self, prompts: list[list[int]], compression: CompressionParams) -> int:
@@ -197,6 +208,7 @@ class LLMEngine:
         seq = self.outputs.requests.get(request_id)
         if seq is None:
             return None
+        self._order("abort", request_id)
         self.scheduler.finish(seq, FinishReason.ABORT)
         outputs = self.outputs.drain()  # between steps, only the abort's own
         return outputs[-1]
@@ -206,6 +218,8 @@ class LLMEngine:
         short may have left any KV half written), and check that every byte came back. Raises
         `RuntimeError` if not: then the engine cannot go on and the process must be restarted."""
         self._due = []
+        self._orders = []  # what the followers had not applied yet is undone with the rest
+        self._order("reset", reason)
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             self.scheduler.finish(seq, FinishReason.ERROR, reason)
         self.outputs.drain()  # their final outputs: the engine loop told their clients already
@@ -273,15 +287,20 @@ class LLMEngine:
         )
 
     # ----- the step ----------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, now: float | None = None) -> list[RequestOutput]:
         """Schedule, run the model once over every scheduled chunk, then postprocess: sample,
         detokenise, stop and compress. Returns the outputs for the clients.
 
         With `async_compression` the compressions due at the end of a step are planned during the
-        next one, beside its forward pass, by the worker; the sequences they compress sit it out."""
+        next one, beside its forward pass, by the worker; the sequences they compress sit it out.
+        `now`: the clock deadlines are read against (a follower steps with rank 0's)."""
         started = time.perf_counter()
+        now = time.monotonic() if now is None else now
+        if self.followers is not None:
+            orders, self._orders = self._orders, []
+            self.followers.send(StepOrder(orders, now))
         due, self._due = self._due, []
-        sched = self._schedule(due)
+        sched = self._schedule(due, now)
         # Those preempted or finished while it scheduled (or aborted since) are no longer due.
         due = [seq for seq in due if seq.status is SequenceStatus.RUNNING and seq.seq_id in self.store]
         out_of_memory = len(sched.rejected)
@@ -300,6 +319,7 @@ class LLMEngine:
             compression_s += self._postprocess(sched, logits)
         self._end_failed_compressions()
         outputs = self.outputs.drain()
+        self._check_ranks()
         failures, self._failures = self._failures, {}
         self.last_step = StepStats(
             time.perf_counter() - started,
@@ -314,10 +334,9 @@ class LLMEngine:
         )
         return outputs
 
-    def _schedule(self, compressing: list[Sequence] | None = None) -> SchedulerOutput:
-        """Time out requests past their deadline, schedule (all but the `compressing` sequences),
-        and fail those that can never fit."""
-        now = time.monotonic()
+    def _schedule(self, compressing: list[Sequence], now: float) -> SchedulerOutput:
+        """Time out requests past their deadline at `now`, schedule (all but the `compressing`
+        sequences), and fail those that can never fit."""
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             if seq.params.deadline is not None and now > seq.params.deadline:
                 self.scheduler.finish(seq, FinishReason.TIMEOUT)
@@ -338,7 +357,7 @@ class LLMEngine:
         memory. A failed forward fails only the sequences in it (and leaves nothing scheduled)."""
         self.compression.prepare(sched.chunks)
         try:
-            return self.runner.run(sched.chunks, observer=self.compression), 0
+            return self.runner.run(sched.chunks, observer=self.observer), 0
         except Exception as exc:
             log.exception("forward pass failed for %d sequences", len(sched.sequences))
             out_of_memory = len(sched.sequences) if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) else 0
@@ -360,7 +379,9 @@ class LLMEngine:
             params = [s.params for s in sampled]
             looks_back = any(p.repetition_penalty != 1.0 or p.min_tokens for p in params)
             histories = [self._history(s) for s in sampled] if looks_back else None
-            results = self._sample(logits, sampled, params, histories)
+            results = self.ranks.share(
+                self._sample(logits, sampled, params, histories) if self.ranks.is_leader else None
+            )
             for seq, result in zip(sampled, results, strict=True):
                 confidence[seq.seq_id] = result.top_prob
                 self._append_token(seq, result)
@@ -376,6 +397,21 @@ class LLMEngine:
             return time.perf_counter() - started
 
     # ----- internals ---------------------------------------------------------------------
+    def _order(self, name: str, *args: object) -> None:
+        """Have the followers call `name(*args)` before the next step, as this rank just did."""
+        if self.followers is not None:
+            self._orders.append((name, args))
+
+    def _check_ranks(self) -> None:
+        """Stop the engine if the ranks' accounting differs after a step: they would decide apart."""
+        running = self.scheduler.running
+        held = (len(running), len(self.scheduler.waiting), sum(len(s.token_ids) for s in running))
+        if not self.ranks.agree(*held, self.store.used_bytes, *self.store.entry_counts().values()):
+            raise RuntimeError(
+                "the tensor-parallel ranks no longer hold the same requests and entries after a step; the "
+                "server must restart (a bug: report it with the log)"
+            )
+
     def _fail(self, seq: Sequence, stage: str, error: str) -> None:
         """End one request with an error from its own work; its memory comes back, the others go on."""
         self._failures[stage] = self._failures.get(stage, 0) + 1
@@ -439,7 +475,7 @@ class LLMEngine:
                     for seq_id, (seq, steps) in ahead.items()
                     if step < steps
                 ]
-                logits = self.runner.run(chunks, observer=self.compression)
+                logits = self.runner.run(chunks, observer=self.observer)
                 for chunk, token in zip(chunks, logits.argmax(dim=-1).tolist(), strict=True):
                     tokens[chunk.seq_id] = token
         except Exception:

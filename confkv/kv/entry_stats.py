@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from confkv.kv.kv_layout import as_tensor
+from confkv.models.parallel import SINGLE, RankGroup
 
 # What a parked cache keeps of its bookkeeping: what adoption reads. Observations and forecasts
 # answered the parking request's questions; an adopter starts them afresh.
@@ -21,8 +22,9 @@ PARKED = {"positions": torch.int32, "key_norm": torch.float16}
 class EntryStats:
     """The per-entry rows of every running slot (`rows`: by name)."""
 
-    def __init__(self, num_layers: int, history_steps: int, device: torch.device) -> None:
+    def __init__(self, num_layers: int, history_steps: int, device: torch.device, ranks: RankGroup = SINGLE) -> None:
         self.num_layers = num_layers
+        self.ranks = ranks  # key norms are means over every rank's heads
         self.history_steps = history_steps  # observations each entry keeps for the value predictor
         self.device = device
         self.rows: dict[str, torch.Tensor] = {}
@@ -71,7 +73,7 @@ class EntryStats:
     def note_key_norms(self, layer: int, token_slot: torch.Tensor, key_index: torch.Tensor, keys: torch.Tensor) -> None:
         """The norms of one layer's new keys [kv_heads, tokens, head_dim], mean over heads (for the predictor)."""
         if self.history_steps:
-            norms = keys.float().norm(dim=-1).mean(dim=0)
+            norms = self.ranks.mean(keys.float().norm(dim=-1).mean(dim=0))
             self.rows["key_norm"][layer, token_slot, key_index] = norms.to(torch.float16)
 
     def observe(

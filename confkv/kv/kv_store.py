@@ -53,6 +53,7 @@ from confkv.kv.paged_attention import DecodeBatch
 from confkv.kv.quant import random_rotation
 from confkv.kv.step_plan import KeyBasis, StepPlan, StepPlanner
 from confkv.models.loader import KVShape
+from confkv.models.parallel import SINGLE, RankGroup
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -116,8 +117,10 @@ class KVStore:
         history_steps: int = 0,
         block_size: int = BLOCK_SIZE,
         key_rotation: bool = True,
+        ranks: RankGroup = SINGLE,
     ) -> None:
-        """`key_rotation`: store quantised keys in a rotated basis (`confkv.kv.quant`)."""
+        """`key_rotation`: store quantised keys in a rotated basis (`confkv.kv.quant`). `ranks`: the
+        tensor-parallel group whose share of the KV heads this store holds."""
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -133,7 +136,7 @@ class KVStore:
         self.channel_keys = ChannelKeys(num_layers, block_size, dtype, self.device)  # int4c keys' writes
         self.tables = BlockTables(num_layers, block_size)  # the running sequences' block tables
         self.steps = StepPlanner(self.tables, self.channel_keys, self.basis, self.device)
-        self.stats = EntryStats(num_layers, history_steps, self.device)  # what is known of every entry
+        self.stats = EntryStats(num_layers, history_steps, self.device, ranks)  # what is known of every entry
         # Frees one parked cache (the prefix cache's eviction); True if there was one. A compaction whose
         # fresh blocks find no page asks it, as parked caches that share a sequence's blocks are what
         # hold the pages then.
@@ -147,9 +150,11 @@ class KVStore:
         key_only_bits: int,
         history_steps: int = 0,
         key_rotation: bool = True,
+        ranks: RankGroup = SINGLE,
     ) -> KVStore:
-        """A store shaped for `model`'s KV cache, on its device and computing in its dtype."""
-        shape = KVShape.of(model.config)
+        """A store shaped for `model`'s KV cache (this rank's share of its heads), on its device and
+        computing in its dtype."""
+        shape = KVShape.of(model.config).per_rank(ranks.size)
         return cls(
             num_layers=shape.num_layers,
             num_kv_heads=shape.num_kv_heads,
@@ -160,6 +165,7 @@ class KVStore:
             key_only_bits=key_only_bits,
             history_steps=history_steps,
             key_rotation=key_rotation,
+            ranks=ranks,
         )
 
     def make_codec(self, storage: torch.dtype | str | None) -> Codec:

@@ -81,13 +81,19 @@ class KVShape:
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         )
 
+    def per_rank(self, tensor_parallel_size: int) -> KVShape:
+        """What one rank holds when the heads are split over `tensor_parallel_size` ranks."""
+        return KVShape(self.num_layers, self.num_kv_heads // tensor_parallel_size, self.head_dim)
+
 
 def load_model(
-    path: Path | None, device: torch.device, dtype: torch.dtype | None = None
+    path: Path | None, device: torch.device, dtype: torch.dtype | None = None, tensor_parallel_size: int = 1
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load model and tokenizer from `path` (default: the embedded model), on `device`.
 
-    `dtype` None means: fp32 on CPU, the checkpoint's own dtype elsewhere.
+    `dtype` None means: fp32 on CPU, the checkpoint's own dtype elsewhere. With a
+    `tensor_parallel_size` above 1 the process must have joined its rank group (`parallel.join`):
+    this rank's share of the weights is loaded, by the family's tensor-parallel plan.
     """
     path = Path(path) if path is not None else default_model_path()
     if not (path / "config.json").is_file():
@@ -105,7 +111,20 @@ def load_model(
         )
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else (getattr(config, "dtype", None) or torch.float32)
-    if has_random_weights(path):
+    if tensor_parallel_size > 1:
+        log.info(
+            "loading %s (%s) on %s as %s, its share of %d ranks",
+            path,
+            config.model_type,
+            device,
+            dtype,
+            tensor_parallel_size,
+        )
+        from transformers.distributed.configuration_utils import DistributedConfig
+
+        sharding = DistributedConfig(tp_size=tensor_parallel_size)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, distributed_config=sharding).eval()
+    elif has_random_weights(path):
         log.info("building %s (%s) with random weights on %s as %s", path, config.model_type, device, dtype)
         model = build_random_model(path, device, dtype).eval()
     else:

@@ -23,6 +23,7 @@ from confkv.engine.async_engine import AsyncEngine, EngineDeadError
 from confkv.engine.llm_engine import EngineConfig, LLMEngine
 from confkv.kv.kv_store import memory_for_cache
 from confkv.models.loader import load_model, profile_forward
+from confkv.models.parallel import SINGLE, RankGroup
 from confkv.server.calibration import BackgroundCalibration, server_confidence
 from confkv.server.inspect_api import assets as inspect_assets
 from confkv.server.inspect_api import router as inspect_router
@@ -36,6 +37,7 @@ from confkv.server.middleware import (
 )
 from confkv.server.openai_api import router as openai_router
 from confkv.server.openai_serving import OpenAIService
+from confkv.server.ranks import check_ranks, rank_device, start_ranks
 from confkv.server.request_body import CheckedRoute
 from confkv.server.schemas import ErrorResponse, GenerateRequest, GenerateResponse, HealthStatus
 from confkv.server.serving import APIError, GenerateService
@@ -44,20 +46,27 @@ from confkv.server.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def build_engine(settings: Settings) -> tuple[LLMEngine, BackgroundCalibration]:
-    """The engine, and the state of its retention confidence (with the fitting to start where it has none)."""
+def build_engine(settings: Settings, ranks: RankGroup | None = None) -> tuple[LLMEngine, BackgroundCalibration]:
+    """The engine, and the state of its retention confidence (with the fitting to start where it has
+    none). With a `tensor_parallel_size` above 1 the server's engine is rank 0: it starts the other
+    ranks first, and they call this with their `ranks`."""
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
-    device = settings.resolved_device()
+    followers = None
+    if ranks is None and settings.tensor_parallel_size > 1:
+        check_ranks(settings)
+        ranks, followers = start_ranks(settings)
+    ranks = ranks or SINGLE
+    device = rank_device(settings, ranks.rank)
     dtype = None if settings.dtype == "auto" else getattr(torch, settings.dtype)
-    model, tokenizer = load_model(settings.model_path, device, dtype)
+    model, tokenizer = load_model(settings.model_path, device, dtype, ranks.size)
     if device.type == "cuda":  # a share of device memory is a share of what the activations leave
         profile_forward(model, settings.max_num_batched_tokens)
     compression = settings.compression()
     confidence = server_confidence(settings, model.config, compression, device)
     calibration = BackgroundCalibration(settings, model.config, confidence, device)
     config = EngineConfig(
-        max_cache_bytes=settings.max_cache_bytes(),
+        max_cache_bytes=ranks.least(settings.max_cache_bytes(device)),
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         prefix_cache=settings.enable_prefix_cache,
@@ -78,7 +87,7 @@ def build_engine(settings: Settings) -> tuple[LLMEngine, BackgroundCalibration]:
         compression.compression_rate,
         compression.kv_cache_dtype,
     )
-    engine = LLMEngine(model, tokenizer, config, compression, confidence.future_value, confidence.calibrations)
+    engine = LLMEngine(model, tokenizer, config, compression, confidence.future_value, confidence.calibrations, ranks)
     arena = engine.store.allocator.arena
     log.info(
         "KV arena allocated: %.1f MiB on %s, %d pages of %.0f KiB (the budget and the spare pages every storage "
@@ -90,6 +99,7 @@ def build_engine(settings: Settings) -> tuple[LLMEngine, BackgroundCalibration]:
     )
     if settings.prefix_cache_warmup:
         warm_up(engine, settings)
+    engine.followers = followers  # from here on rank 0 orders, the others follow
     return engine, calibration
 
 
@@ -156,6 +166,8 @@ def _lifespan(settings: Settings) -> Callable[[FastAPI], AbstractAsyncContextMan
             app.state.on_engine_dead = lambda error: log.critical("the engine loop is dead: %r", error)
         metrics.bind_engine(loop.snapshot, engine.store.device)
         metrics.bind_loop(loop)
+        if engine.followers is not None:
+            engine.followers.on_lost = loop.lost
         metrics.calibration.state(calibration.state)
         calibration.listeners.append(metrics.calibration.state)
         loop.start()
@@ -171,6 +183,8 @@ def _lifespan(settings: Settings) -> Callable[[FastAPI], AbstractAsyncContextMan
         finally:
             calibration.stop()
             loop.stop()
+            if engine.followers is not None:
+                engine.followers.stop()
 
     return lifespan
 

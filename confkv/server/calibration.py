@@ -77,6 +77,7 @@ class BackgroundCalibration:
         """Nothing decides by the thresholds yet, and the settings let the server fit it."""
         settings = self.settings
         can_fit = settings.value_predictor in ("off", "auto") and settings.compression_enabled
+        can_fit = can_fit and settings.tensor_parallel_size == 1  # NOTE: ranks would need the switch in order
         return self.state == "rate only" and settings.calibration.background and can_fit
 
     @staticmethod

@@ -179,6 +179,13 @@ class Settings(BaseSettings):
         "auto", description="model dtype; auto: fp32 on CPU, the model's own dtype on CUDA"
     )
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="ranks each layer's heads are split over, one process each (vLLM's name): with CUDA one "
+        "device each, cuda:0..N-1, joined by NCCL; on the CPU processes joined by gloo. Must divide the model's "
+        "attention and KV heads. max_cache_size is per rank",
+    )
     torch_threads: int | None = Field(None, ge=1, description="CPU threads for torch; default: all cores")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="least severe log lines shown")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' on every route but /health")
@@ -236,10 +243,11 @@ class Settings(BaseSettings):
     def compression(self) -> CompressionConfig:
         return CompressionConfig.load(self.compression_config or DEFAULT_COMPRESSION_FILE)
 
-    def max_cache_bytes(self) -> int:
-        """The KV budget in bytes; on CUDA call it once the model is loaded and warmed up."""
+    def max_cache_bytes(self, device: torch.device | None = None) -> int:
+        """The KV budget in bytes on `device` (default: the resolved one); on CUDA call it once the
+        model is loaded and warmed up."""
         size = self.max_cache_size or self.compression().max_cache_size
-        return parse_size(size, memory_for_cache(self.resolved_device()))
+        return parse_size(size, memory_for_cache(device or self.resolved_device()))
 
 
 def load_settings(argv: list[str] | None = None, **overrides) -> Settings:
