@@ -71,7 +71,7 @@ TIERS = {
     ),
     "server": (
         "test_app_faults", "test_bad_requests", "test_clients", "test_fuzz", "test_inspect", "test_middleware",
-        "test_openai", "test_server",
+        "test_openai", "test_server", "test_tensor_parallel",
     ),
     "ops": (
         "test_cluster", "test_cluster_live", "test_cluster_serve", "test_deploy", "test_gpu_check",

@@ -131,8 +131,9 @@ class Compressor:
         state = self.states.get(seq_id)
         if state is None:
             return None
-        original = num_tokens * self.store.model_token_bytes
-        compressed = self.store.seq_bytes(seq_id)
+        ranks = self.store.stats.ranks.size  # the request's bytes on every rank: each holds the same share
+        original = num_tokens * self.store.model_token_bytes * ranks
+        compressed = self.store.seq_bytes(seq_id) * ranks
         rate = state.rate if state.params.active else 0.0
         full = key_only = 0
         if seq_id in self.store:

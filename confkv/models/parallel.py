@@ -99,9 +99,15 @@ def join(rank: int, size: int, address: str, port: int, device: torch.device) ->
 
 
 def check_tensor_parallel(config, size: int) -> None:
-    """Refuse a size that does not divide the model's attention and KV heads, with what would."""
+    """Refuse a family without a tensor-parallel plan in transformers, and a size that does not
+    divide the model's attention and KV heads (with the sizes that do)."""
     if size == 1:
         return
+    if not getattr(config, "base_model_tp_plan", None):
+        raise ValueError(
+            f"{config.model_type} models have no tensor-parallel plan in transformers: serve them with "
+            "tensor_parallel_size 1"
+        )
     heads, kv_heads = config.num_attention_heads, KVShape.of(config).num_kv_heads
     if heads % size or kv_heads % size:
         fits = [n for n in range(1, kv_heads + 1) if heads % n == 0 and kv_heads % n == 0]
