@@ -45,17 +45,23 @@ def _generate(rank: int, size: int, port: int, model_dir, answers) -> None:
     ranks = join(rank, size, "127.0.0.1", port, torch.device("cpu")) if size > 1 else SINGLE
     model, tokenizer = load_model(model_dir, torch.device("cpu"), None, size)
     config = CompressionConfig(**COMPRESS_OFTEN)
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_cache_bytes=2**26), config, None, {}, ranks)
-    for i, (prompt, request) in enumerate(zip(PROMPTS, REQUESTS, strict=True)):
-        params = resolve(config, request, True, True)
-        engine.add_request(str(i), tokenizer(prompt).input_ids, greedy(40, ignore_eos=True), params)
-    with torch.inference_mode():
-        outputs = run_to_completion(engine)
+    engine_config = EngineConfig(max_cache_bytes=2**26, prefix_cache=True, async_compression=True)
+    engine = LLMEngine(model, tokenizer, engine_config, config, None, {}, ranks)
+    outputs = {}
+    for round in range(2):  # the second from the prefix cache
+        for i, (prompt, request) in enumerate(zip(PROMPTS, REQUESTS, strict=True)):
+            params = resolve(config, request, True, True)
+            engine.add_request(f"{round}-{i}", tokenizer(prompt).input_ids, greedy(40, ignore_eos=True), params)
+        with torch.inference_mode():
+            outputs |= run_to_completion(engine)
     if ranks.is_leader:
-        answers.put({rid: (tokens_of(outs), outs[-1].compression_metrics["entries"]) for rid, outs in outputs.items()})
+        metrics = {rid: outs[-1].compression_metrics for rid, outs in outputs.items()}
+        answers.put(
+            {rid: (tokens_of(outs), metrics[rid]["entries"], metrics[rid]["hit_rate"]) for rid, outs in outputs.items()}
+        )
 
 
-def test_two_ranks_generate_and_compress_as_one_process(tiny_model_dir):
+def test_two_ranks_generate_compress_and_reuse_prefixes_as_one_process(tiny_model_dir):
     context = multiprocessing.get_context("spawn")
     answers = context.Queue()
     port = _port()
@@ -69,7 +75,8 @@ def test_two_ranks_generate_and_compress_as_one_process(tiny_model_dir):
         process.join(30)
         assert process.exitcode == 0
     assert split == alone
-    assert all(entries["dropped"] > 0 for _, entries in alone.values()), alone  # compression really decided
+    assert all(entries["dropped"] > 0 for _, entries, _ in alone.values()), alone  # compression really decided
+    assert all(hit_rate > 0 for rid, (_, _, hit_rate) in alone.items() if rid.startswith("1-"))
 
 
 def _settings(model_dir, tmp_path, size: int) -> Settings:
