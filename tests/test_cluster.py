@@ -184,3 +184,12 @@ def test_a_replica_runs_no_more_torch_threads_than_the_cpus_it_reserves():
 
     assert threads(None, 1.0) == 1 and threads(2, 1.0) == 1 and threads(None, 4.0) == 4
     assert threads(2, 4.0) == 2 and threads(None, 0.0) == 1 and threads(8, 2.5) == 2
+
+
+def test_a_tensor_parallel_replica_reserves_each_ranks_cpus_and_gpus_on_one_node():
+    from confkv.cluster.app import replica_resources
+    from confkv.server.settings import ClusterSettings, Settings
+
+    cluster = ClusterSettings(replica_cpus=2.0, replica_gpus=1.0)
+    assert replica_resources(Settings(cluster=cluster)) == {"num_cpus": 2.0, "num_gpus": 1.0}
+    assert replica_resources(Settings(cluster=cluster, tensor_parallel_size=4)) == {"num_cpus": 8.0, "num_gpus": 4.0}

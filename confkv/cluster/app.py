@@ -31,7 +31,6 @@ ROUTING_STATS_PERIOD_S = 1.0  # how stale the router's view of free KV memory ma
 
 
 def build(settings: Settings) -> Application:
-    cluster = settings.cluster
     quiet = {"enable_access_log": False}  # replicas report every second
     hub = serve.deployment(MetricsHub, num_replicas=1, ray_actor_options={"num_cpus": 0}, logging_config=quiet).bind()
     engine = serve.deployment(
@@ -39,12 +38,19 @@ def build(settings: Settings) -> Application:
         max_ongoing_requests=settings.max_num_seqs,  # more would wait in the engine, invisible to the router
         graceful_shutdown_timeout_s=settings.shutdown_grace_period,
         health_check_period_s=5,
-        ray_actor_options={"num_cpus": cluster.replica_cpus, "num_gpus": cluster.replica_gpus},
+        ray_actor_options=replica_resources(settings),
         request_router_config=_router_config(settings),
         **_scaling(settings),
     ).bind(settings, hub)
     ingress = serve.deployment(Ingress, ray_actor_options={"num_cpus": 0})
     return ingress.bind(engine, hub, settings.max_request_bytes)
+
+
+def replica_resources(settings: Settings) -> dict:
+    """What Ray reserves for one replica: the per-rank CPUs and GPUs times its tensor-parallel
+    ranks, all on one node (the ranks are the replica's child processes, on the devices Ray gives it)."""
+    ranks = settings.tensor_parallel_size
+    return {"num_cpus": settings.cluster.replica_cpus * ranks, "num_gpus": settings.cluster.replica_gpus * ranks}
 
 
 def app_builder(args: dict) -> Application:

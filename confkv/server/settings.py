@@ -53,8 +53,15 @@ class ClusterSettings(BaseModel):
         description="when replicas' free KV shares differ by more, the freest replica takes a request "
         "even if another has its prefix cached",
     )
-    replica_cpus: float = Field(1.0, ge=0.0, description="CPUs Ray reserves for each engine replica")
-    replica_gpus: float = Field(0.0, ge=0.0, description="GPUs Ray reserves for each engine replica (1 with CUDA)")
+    replica_cpus: float = Field(
+        1.0, ge=0.0, description="CPUs Ray reserves for each engine replica, per tensor-parallel rank"
+    )
+    replica_gpus: float = Field(
+        0.0,
+        ge=0.0,
+        description="GPUs Ray reserves for each engine replica, per tensor-parallel rank (1 with CUDA): a replica "
+        "of --tensor-parallel-size N takes N on one node",
+    )
 
     @model_validator(mode="after")
     def _check_bounds(self) -> ClusterSettings:
