@@ -14,11 +14,13 @@ from fastapi.testclient import TestClient
 from transformers import AutoConfig
 
 from confkv.compress.config import CompressionConfig, resolve
+from confkv.compress.predictor.online import PREDICTOR_FILE
 from confkv.engine.llm_engine import EngineConfig, LLMEngine, run_to_completion
 from confkv.models.loader import load_model
 from confkv.models.parallel import SINGLE, check_tensor_parallel, join
 from confkv.server.api import create_app
-from confkv.server.settings import Settings
+from confkv.server.main import main
+from confkv.server.settings import CalibrationSettings, Settings
 from tests.helpers import COMPRESS_OFTEN, greedy, tokens_of
 
 PROMPTS = [
@@ -92,15 +94,27 @@ def _settings(model_dir, tmp_path, size: int) -> Settings:
     )
 
 
-def test_the_servers_followers_keep_up_and_a_rank_that_dies_stops_the_server(tiny_model_dir, tmp_path):
+def test_the_servers_followers_keep_up_and_a_rank_that_dies_stops_the_server(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("CONFKV_CONFIDENCE_CACHE", str(tmp_path / "cache"))
+    config = _settings(tiny_model_dir, tmp_path, 1).compression_config  # the timeline it will be served with
+    fit = ["--out", str(tmp_path / "fitted"), "--sequences", "2", "--prompt-tokens", "96", "--compression-config"]
+    main(["calibrate", "--model-path", str(tiny_model_dir), *fit, str(config)])
+    fitted = tmp_path / "fitted" / PREDICTOR_FILE
     bodies = [
         {"prompt": prompt, "max_tokens": 32, "temperature": 0.0, "ignore_eos": True, "compression_stats": True}
         for prompt in PROMPTS
     ]
     answers = {}
     for size in (1, 2):
-        with TestClient(create_app(_settings(tiny_model_dir, tmp_path, size))) as client:
+        settings = _settings(tiny_model_dir, tmp_path, size).model_copy(
+            update={"calibration": CalibrationSettings(background=True)}
+        )
+        with TestClient(create_app(settings)) as client:  # reserves what a fitted predictor reads
+            client.app.state.calibration.stop()
             replies = [client.post("/generate", json=body) for body in bodies]
+            switched = client.app.state.engine.call(lambda e: e.use_confidence(fitted, None)).result(60)
+            assert switched.state == "shipped" and switched.future_value is not None  # an order to the followers
+            replies += [client.post("/generate", json=body) for body in bodies]
             assert all(reply.status_code == 200 for reply in replies), replies[0].text
             answers[size] = [(r.json()["text"], r.json()["compression_metrics"]) for r in replies]
             if size == 2:

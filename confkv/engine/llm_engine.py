@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -17,7 +18,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from confkv.compress.compressor import Compressor
 from confkv.compress.config import CompressionConfig, CompressionParams, resolve
 from confkv.compress.predictor.calibration import Calibration, Source
-from confkv.compress.predictor.online import FutureValue, calibrations_for
+from confkv.compress.predictor.misses import MissLog
+from confkv.compress.predictor.online import Confidence, FutureValue, calibrations_for, load_confidence
 from confkv.compress.spans import word_starts
 from confkv.engine.compression_worker import CompressionWorker
 from confkv.engine.listeners import CompressionListener, PrefixCacheListener
@@ -201,6 +203,20 @@ class LLMEngine:
 
     def default_compression(self, stats: bool = False) -> CompressionParams:
         return resolve(self.compression_config, None, server_enabled=True, stats=stats)
+
+    def use_confidence(self, predictor_file: Path, misses: MissLog | None, with_predictor: bool = True) -> Confidence:
+        """Score by the predictor at `predictor_file` (unless not `with_predictor`) and decide by the
+        calibration beside it from now on (a background fitting ended), on every rank; returns what
+        was found, `rate only` (and nothing changed) if nothing usable."""
+        cfg = self.compression_config
+        device, window = self.store.device, cfg.prediction_window
+        found = load_confidence(
+            predictor_file, self.model.config, device, cfg.score_interval, window, misses, with_predictor
+        )
+        if found.calibrations:
+            self.compression.use_confidence(found.future_value, found.calibrations)
+            self._order("use_confidence", predictor_file, misses, with_predictor)
+        return found
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request; its memory is returned at once. Its final output is returned here, not

@@ -64,7 +64,7 @@ def build_engine(settings: Settings, ranks: RankGroup | None = None) -> tuple[LL
         profile_forward(model, settings.max_num_batched_tokens)
     compression = settings.compression()
     confidence = server_confidence(settings, model.config, compression, device)
-    calibration = BackgroundCalibration(settings, model.config, confidence, device)
+    calibration = BackgroundCalibration(settings, model.config, confidence)
     config = EngineConfig(
         max_cache_bytes=ranks.least(settings.max_cache_bytes(device)),
         max_num_seqs=settings.max_num_seqs,

@@ -17,8 +17,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from confkv.compress.config import CompressionConfig
 from confkv.compress.predictor.fitting import PROFILE
 from confkv.compress.predictor.misses import MissLog
@@ -42,9 +40,7 @@ STOP_GRACE_S = 5.0  # how long a stopping fitting may take to exit before it is 
 
 def server_confidence(settings: Settings, model_config, compression: CompressionConfig, device) -> Confidence:
     """The predictor and calibration the settings name (`value_predictor`), for this model."""
-    misses = None
-    if settings.predictor_error_samples is not None:
-        misses = MissLog(settings.predictor_error_samples, compression.prediction_window)
+    misses = miss_log(settings, compression)
     if settings.value_predictor not in ("off", "auto"):  # the operator's own file: refused if it does not fit
         path = Path(settings.value_predictor)
         future_value = load_future_value(path, model_config, device, compression.score_interval, misses)
@@ -58,15 +54,20 @@ def server_confidence(settings: Settings, model_config, compression: Compression
     return load_confidence(path, model_config, device, compression.score_interval, window, misses, with_predictor)
 
 
+def miss_log(settings: Settings, compression: CompressionConfig) -> MissLog | None:
+    """Where the predictor's misses are logged, if the settings ask for it."""
+    if settings.predictor_error_samples is None:
+        return None
+    return MissLog(settings.predictor_error_samples, compression.prediction_window)
+
+
 class BackgroundCalibration:
     """The server's confidence state, and the fitting that runs while it is `rate only`."""
 
-    def __init__(self, settings: Settings, model_config, confidence: Confidence, device: torch.device) -> None:
+    def __init__(self, settings: Settings, model_config, confidence: Confidence) -> None:
         self.settings = settings
         self.model_config = model_config
-        self.device = device
         self.with_predictor = settings.value_predictor == "auto"
-        self.misses = confidence.future_value.misses if confidence.future_value else None
         self.state: CalibrationState = confidence.state
         self.listeners: list[Callable[[CalibrationState], None]] = []
         self._process: subprocess.Popen | None = None
@@ -77,7 +78,6 @@ class BackgroundCalibration:
         """Nothing decides by the thresholds yet, and the settings let the server fit it."""
         settings = self.settings
         can_fit = settings.value_predictor in ("off", "auto") and settings.compression_enabled
-        can_fit = can_fit and settings.tensor_parallel_size == 1  # NOTE: ranks would need the switch in order
         return self.state == "rate only" and settings.calibration.background and can_fit
 
     @staticmethod
@@ -140,20 +140,17 @@ class BackgroundCalibration:
             )
             return
         compression = self.settings.compression()
-        window = compression.prediction_window
-        path = fitted_dir(self.model_config, window) / PREDICTOR_FILE
-        score_interval = compression.score_interval
-        confidence = load_confidence(
-            path, self.model_config, self.device, score_interval, window, self.misses, self.with_predictor
-        )
-        if confidence.state != "fitted":
-            self._set("rate only")
-            log.error("the background calibration ended but %s holds no usable confidence: the rate decides", path)
-            return
-        switched = engine.call(lambda e: e.compression.use_confidence(confidence.future_value, confidence.calibrations))
+        path = fitted_dir(self.model_config, compression.prediction_window) / PREDICTOR_FILE
+        misses = miss_log(self.settings, compression)
+        switched = engine.call(lambda e: e.use_confidence(path, misses, self.with_predictor))
         while True:  # between two steps; a loop that died never answers
             try:
-                switched.result(timeout=1.0)
+                if switched.result(timeout=1.0).state != "fitted":
+                    self._set("rate only")
+                    log.error(
+                        "the background calibration ended but %s holds no usable confidence: the rate decides", path
+                    )
+                    return
                 break
             except concurrent.futures.TimeoutError:
                 if not engine.is_alive:
