@@ -51,7 +51,7 @@ _EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 # One small config of every family the loader serves (`confkv.models.loader.FAMILIES`).
 TINY_CONFIGS = {
     "llama": dict(model_type="llama", **_DECODER),
-    "mistral": dict(model_type="mistral", **_DECODER),
+    "mistral": dict(model_type="mistral", sliding_window=24, **_DECODER),  # every layer slides
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, **_DECODER),
     "qwen2": dict(model_type="qwen2", **_DECODER),
     "qwen2_moe": dict(model_type="qwen2_moe", shared_expert_intermediate_size=32, **_EXPERTS, **_DECODER),
@@ -60,12 +60,12 @@ TINY_CONFIGS = {
     "phi3": dict(model_type="phi3", **_DECODER),  # one fused qkv projection
     "granite": dict(model_type="granite", attention_multiplier=0.1, embedding_multiplier=2.0, **_DECODER),
     "olmo2": dict(model_type="olmo2", **_DECODER),
-    # A sliding layer beside a full one; the window (128) is the engine's context.
+    # A sliding layer beside a full one, its window shorter than most prompts.
     "gemma3_text": dict(
         model_type="gemma3_text",
         head_dim=16,
         query_pre_attn_scalar=16,
-        sliding_window=128,
+        sliding_window=16,
         layer_types=["sliding_attention", "full_attention"],
         **_DECODER,
     ),  # fmt: skip

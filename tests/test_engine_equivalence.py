@@ -90,12 +90,34 @@ def test_every_family_served_compresses_and_gives_its_memory_back(family, tokeni
     assert engine.store.used_bytes == 0
 
 
-def test_a_sliding_window_model_is_served_within_its_window(tokenizer):
-    """Within the window a sliding layer attends to every token, so the engine's context is the window."""
-    model = tiny_model("gemma3_text", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
-    assert make_engine(model, tokenizer).max_model_len == model.config.sliding_window == 128
-    mistral = tiny_model("mistral", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
-    assert make_engine(mistral, tokenizer).max_model_len == 512  # its window (4096) is past its positions
+@pytest.mark.parametrize("family", ["gemma3_text", "mistral"])
+def test_sliding_window_layers_hold_their_window_and_decode_as_generate(family, tokenizer):
+    """Past its window a sliding layer lets go of what it can no longer attend to, a block at a time,
+    and decoding stays generate's; compression leaves it whole (its entries stay consecutive) and
+    drops only in the layers that attend to everything."""
+    model = tiny_model(family, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    window, prompt = model.config.sliding_window, family_prompts(family, tokenizer)[3]  # 90 tokens
+    for compression in ({"policy": "none"}, {"compression_rate": 0.75, "kv_cache_dtype": "auto"}):
+        engine = make_engine(model, tokenizer, compression=COMPRESS_OFTEN, max_num_batched_tokens=32)
+        store = engine.store
+        sliding = [layer for layer, w in enumerate(store.windows) if w]
+        assert sliding and engine.max_model_len == model.config.max_position_embeddings
+        params = resolve(engine.compression_config, compression, True, True)
+        seq = engine.add_request("r", prompt, greedy(60, ignore_eos=True), params)
+        outputs = []
+        while engine.has_unfinished():
+            outputs += engine.step()
+            if seq.seq_id in store and seq.num_computed >= len(prompt):
+                for layer in sliding:
+                    positions = store.positions(seq.seq_id, layer)
+                    assert window <= len(positions) < window + store.block_size
+                    assert torch.equal(positions, torch.arange(seq.num_computed - len(positions), seq.num_computed))
+        assert store.evicted_entries["window"] > 0 and store.used_bytes == engine.snapshot().kv_bytes["prefix"]
+        if compression.get("policy") == "none":
+            want, want_logits = reference_greedy(model, prompt, 60)
+            assert tokens_of(outputs) == want, "decoding past the window left generate's tokens"
+        else:
+            assert store.evicted_entries["compression"] > 0 or family == "mistral"  # mistral: every layer slides
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from confkv.models.loader import FAMILIES, attention_window, load_model
+from confkv.models.loader import FAMILIES, attention_windows, load_model
 from tests.helpers import TINY_CONFIGS
 
 CPU = torch.device("cpu")
@@ -44,17 +44,19 @@ def test_a_served_family_with_soft_capped_attention_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("model_type", "fields", "window"),
+    ("model_type", "fields", "windows"),
     [
-        ("llama", {}, None),
-        ("mistral", {}, 4096),  # Mistral slides on every layer when a window is set
-        ("mistral", {"sliding_window": None}, None),
-        ("qwen2", {}, None),  # its window is off unless use_sliding_window
-        ("qwen2", {"use_sliding_window": True, "max_window_layers": 1, "num_hidden_layers": 2}, 4096),
-        ("qwen3", {}, None),
-        ("gemma3_text", {"sliding_window": 512}, 512),
-        ("gpt2", {}, None),
+        ("llama", {}, [None, None]),
+        ("mistral", {}, [4096, 4096]),  # Mistral slides on every layer when a window is set
+        ("mistral", {"sliding_window": None}, [None, None]),
+        ("qwen2", {}, [None, None]),  # its window is off unless use_sliding_window
+        ("qwen2", {"use_sliding_window": True, "max_window_layers": 1}, [None, 4096]),
+        ("qwen3", {}, [None, None]),
+        ("gemma3_text", {"sliding_window": 512, "sliding_window_pattern": 2}, [512, None]),
+        ("phi3", {"sliding_window": 2047}, [2047, 2047]),
+        ("gpt2", {}, [None, None]),
     ],
 )
-def test_the_attention_window_is_read_from_the_config_of_each_family(model_type, fields, window):
-    assert attention_window(AutoConfig.for_model(model_type, **fields)) == window
+def test_each_layers_attention_window_is_read_from_the_config_of_each_family(model_type, fields, windows):
+    config = AutoConfig.for_model(model_type, num_hidden_layers=2, n_layer=2, **fields)
+    assert attention_windows(config) == windows

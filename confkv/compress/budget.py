@@ -106,12 +106,14 @@ def layer_bytes(num_layers: int, state: SequenceState, per_layer: float) -> list
 
 
 def layers_to_compress(store: KVStore, seq_id: int, state: SequenceState, budget: Budget) -> list[int]:
-    """The layers a compression scores: every layer when the thresholds judge the request or the
-    layers' shares are renewed, else only those over their budget (`layers_over`)."""
+    """The layers a compression scores: every layer it may change (`KVStore.compressible_layers`: not a
+    sliding window's) when the thresholds judge the request or the layers' shares are renewed, else
+    only those of them over their budget (`layers_over`)."""
     if budget.rescore:
-        return list(range(store.num_layers))
+        return store.compressible_layers
     shares = layer_bytes(store.num_layers, state, budget.per_layer)
-    return np.flatnonzero(layers_over(store, seq_id, shares, budget.rounding)).tolist()
+    over = layers_over(store, seq_id, shares, budget.rounding)
+    return [layer for layer in store.compressible_layers if over[layer]]
 
 
 def layers_over(store: KVStore, seq_id: int, shares: list[float], rounding: float) -> np.ndarray:

@@ -471,7 +471,9 @@ class Compressor:
         if budget.judge:
             per_layer = judge(judged, budget, state, num_tokens)
         if budget.rescore and state.params.layer_budget == "adaptive":
-            state.layer_weights = adaptive_weights([j.scores[~j.protected] for j in judged])
+            weights = torch.ones(store.num_layers)  # a sliding-window layer's share goes unused: it is not compacted
+            weights[[j.layer for j in judged]] = adaptive_weights([j.scores[~j.protected] for j in judged])
+            state.layer_weights = weights
         shares = layer_bytes(store.num_layers, state, per_layer)
         over = layers_over(store, seq_id, shares, budget.rounding)
         full_bytes, key_only_bytes = budget.full_bytes, budget.key_only_bytes

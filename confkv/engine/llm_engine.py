@@ -31,7 +31,6 @@ from confkv.engine.sequence import FinishReason, SamplingParams, ScheduledChunk,
 from confkv.engine.tensor_parallel import Followers, RankObserver, StepOrder
 from confkv.kv.kv_store import KVBudgetExceeded, KVStore
 from confkv.kv.prefix_cache import PrefixCache
-from confkv.models.loader import attention_window
 from confkv.models.parallel import SINGLE, RankGroup
 
 log = logging.getLogger(__name__)
@@ -160,6 +159,7 @@ class LLMEngine:
         )
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.max_model_len = _max_model_len(cfg)
+        self._slides = any(self.store.windows)  # the model has sliding-window layers
         self.last_step: StepStats | None = None
         self.worker = CompressionWorker(self.compression.plan, self.store.device) if config.async_compression else None
         self._due: list[Sequence] = []  # compressions due at the end of the last step (`async_compression`)
@@ -410,6 +410,7 @@ class LLMEngine:
                 self._due = due
             else:
                 self.compression.apply(self.compression.plan(due))
+            self._trim_windows(running)
             return time.perf_counter() - started
 
     # ----- internals ---------------------------------------------------------------------
@@ -460,12 +461,15 @@ class LLMEngine:
         return results
 
     def _park_prompts(self, sequences: list[Sequence]) -> None:
-        """Park the prompt KV of the compressing sequences whose prefill just ended, before their
-        query-aware compression (a request that does not compress is parked whole as it finishes)."""
+        """Park the prompt KV of the sequences whose prefill just ended that will not hold all of it: those
+        that compress, before their query-aware compression, and any of a model with sliding-window
+        layers, before those let go of what is behind their window (`_trim_windows`). A request that
+        keeps everything is parked whole as it finishes."""
         if self.prefix_cache is None:
             return
+        slides = self._slides
         for seq in sequences:
-            if seq.num_computed == seq.num_prompt_tokens and self.compression.compresses(seq.seq_id):
+            if seq.num_computed == seq.num_prompt_tokens and (slides or self.compression.compresses(seq.seq_id)):
                 self.prefix_cache.park_prompt(seq.seq_id, seq.prompt_token_ids, seq.prefix_fingerprint)
 
     def _look_ahead(self, sequences: list[Sequence]) -> None:
@@ -499,6 +503,15 @@ class LLMEngine:
         finally:
             for seq, _ in ahead.values():
                 self.store.truncate(seq.seq_id, seq.num_computed)
+
+    def _trim_windows(self, sequences: list[Sequence]) -> None:
+        """Free what sliding-window layers can no longer attend to, once a prompt is prefilled (and
+        parked whole: the prefix cache serves any shorter prefix of it exactly)."""
+        if not self._slides:
+            return
+        for seq in sequences:
+            if seq.num_computed >= seq.num_prompt_tokens and seq.seq_id in self.store:
+                self.store.trim_windows(seq.seq_id)
 
     def _history(self, seq: Sequence) -> History:
         ends = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids)
@@ -547,10 +560,7 @@ _POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_leng
 
 
 def _max_model_len(cfg) -> int:
-    """The model's context, capped at its sliding window if it has one: within the window a
-    sliding-window layer attends to every token, so the full-context KV cache serves it exactly."""
-    positions = next((int(getattr(cfg, name)) for name in _POSITION_FIELDS if getattr(cfg, name, None)), 2048)
-    return min(positions, attention_window(cfg) or positions)
+    return next((int(getattr(cfg, name)) for name in _POSITION_FIELDS if getattr(cfg, name, None)), 2048)
 
 
 @torch.inference_mode()

@@ -150,7 +150,7 @@ def _prefill_attention(
 ) -> torch.Tensor:
     """One prefill chunk (q [1, heads, t, D]) against its sequence's entries -> [t, heads, D]."""
     kv = store.view(seg.seq_id, layer)
-    mask = _causal_mask(kv.keys.shape[1], seg.num_tokens, kv.keys.device)
+    mask = _causal_mask(kv.keys.shape[1], seg.num_tokens, kv.keys.device, store.windows[layer])
     # KEY_ONLY entries come first among the keys: their values, then the FULL ones, line up with them.
     values = kv.values if kv.key_only_values is None else torch.cat((kv.key_only_values, kv.values), dim=1)
     out = F.scaled_dot_product_attention(
@@ -172,11 +172,13 @@ def _observed_rows(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scal
     return scores.softmax(dim=-1).mean(dim=(0, 1))
 
 
-def _causal_mask(held: int, new: int, device: torch.device) -> torch.Tensor:
-    """New entries sit at the end of the cache: query i sees everything older plus new entries up to i."""
+def _causal_mask(held: int, new: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """New entries sit at the end of the cache: query i sees everything older plus new entries up to i;
+    in a sliding-window layer (entries in position order, none missing) only the last `window` of them."""
     cols = torch.arange(held, device=device)
-    rows = torch.arange(new, device=device).unsqueeze(1)
-    return cols <= rows + (held - new)
+    rows = torch.arange(new, device=device).unsqueeze(1) + (held - new)
+    mask = cols <= rows
+    return mask & (cols > rows - window) if window else mask
 
 
 def _audit(

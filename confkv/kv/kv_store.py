@@ -52,7 +52,7 @@ from confkv.kv.kv_layout import (
 from confkv.kv.paged_attention import DecodeBatch
 from confkv.kv.quant import random_rotation
 from confkv.kv.step_plan import KeyBasis, StepPlan, StepPlanner
-from confkv.models.loader import KVShape
+from confkv.models.loader import KVShape, attention_windows
 from confkv.models.parallel import SINGLE, RankGroup
 
 if TYPE_CHECKING:
@@ -118,10 +118,15 @@ class KVStore:
         block_size: int = BLOCK_SIZE,
         key_rotation: bool = True,
         ranks: RankGroup = SINGLE,
+        windows: list[int | None] | None = None,
     ) -> None:
         """`key_rotation`: store quantised keys in a rotated basis (`confkv.kv.quant`). `ranks`: the
-        tensor-parallel group whose share of the KV heads this store holds."""
+        tensor-parallel group whose share of the KV heads this store holds. `windows`: each layer's
+        sliding window, or None where it attends to the whole context (`attention_windows`)."""
         self.num_layers = num_layers
+        # A sliding-window layer holds its entries in position order, none dropped between (compression
+        # leaves it whole), and lets go of those behind its window (`trim_windows`).
+        self.windows = windows or [None] * num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype  # the model's dtype: what attention computes in
@@ -166,6 +171,7 @@ class KVStore:
             history_steps=history_steps,
             key_rotation=key_rotation,
             ranks=ranks,
+            windows=attention_windows(model.config),
         )
 
     def make_codec(self, storage: torch.dtype | str | None) -> Codec:
@@ -326,7 +332,29 @@ class KVStore:
 
     def decode_batch(self, layer: int, plan: StepPlan, query: torch.Tensor, scale: float) -> DecodeBatch:
         """The decode kernel's view of one layer for the plan's decode rows (query [rows, heads, D])."""
-        return self.steps.decode_batch(layer, plan, query, scale)
+        batch = self.steps.decode_batch(layer, plan, query, scale)
+        batch.window = self.windows[layer] or 0
+        return batch
+
+    @property
+    def compressible_layers(self) -> list[int]:
+        """The layers compression may drop and demote in: those that attend to the whole context.
+        A sliding-window layer is bounded by its window already, and its decode attention reads its
+        last entries as the window (`DecodeBatch.window`), which holds only if none are dropped."""
+        return [layer for layer, window in enumerate(self.windows) if window is None]
+
+    def trim_windows(self, seq_id: int) -> int:
+        """Let go of the entries a sequence's sliding-window layers can never attend to again, in
+        those layers where a block's worth of them has gathered (a compaction rewrites the window, so
+        not at every step); return the bytes freed."""
+        slot = self.tables.slot_of[seq_id]
+        keep = {}
+        for layer, window in enumerate(self.windows):
+            n = int(self.tables.lengths[layer, slot])
+            if window is not None and n - window >= self.block_size:
+                newest = torch.arange(n - window, n, device=self.device)
+                keep[layer] = Keep(newest, newest[:0])
+        return self.compact(seq_id, keep, reason="window") if keep else 0
 
     def observe(
         self,
@@ -362,8 +390,9 @@ class KVStore:
         slot = self.tables.slot_of[seq_id]
         return self.stats.rows["positions"][layer_idx, slot, : self.tables.lengths[layer_idx, slot]]
 
-    def compact(self, seq_id: int, keep: dict[int, Keep]) -> int:
-        """Rebuild the given layers holding only the entries they keep; return bytes freed.
+    def compact(self, seq_id: int, keep: dict[int, Keep], reason: str = "compression") -> int:
+        """Rebuild the given layers holding only the entries they keep; return bytes freed (the
+        dropped entries counted as evicted for `reason`).
 
         A layer's `key_only` may name KEY_ONLY entries (kept as they are) and FULL ones (their values
         are quantised now); `full` may name FULL entries only, since a quantised value cannot be
@@ -373,7 +402,7 @@ class KVStore:
         layers = list(keep)
         before, held = self.used_bytes, int(self.tables.lengths[layers, slot].sum())
         self._rebuild(slot, self._snapshot(slot), keep, charge=False)
-        self.evicted_entries["compression"] += held - int(self.tables.lengths[layers, slot].sum())
+        self.evicted_entries[reason] += held - int(self.tables.lengths[layers, slot].sum())
         return before - self.used_bytes
 
     # ----- parked caches (the prefix cache's pool) -----------------------------------------

@@ -102,6 +102,14 @@ class DecodeBatch:
     scale: float
     observe_index: torch.Tensor  # [rows] int32: the row of `DecodeResult.observed` it fills, or -1
     num_observed: int
+    # A sliding-window layer's window: a row attends to its last `window` entries (0: to all). Such a
+    # layer holds its entries in position order, none dropped between, so its last ones are its newest.
+    window: int = 0
+
+
+def first_attended(num_keys: int, window: int) -> int:
+    """The first entry (in key order) a row holding `num_keys` attends to under `window`."""
+    return max(0, num_keys - window) if window else 0
 
 
 @dataclass
@@ -140,6 +148,8 @@ def decode_attention_reference(batch: DecodeBatch) -> DecodeResult:
     observed = torch.zeros(batch.num_observed, width, dtype=torch.float32, device=batch.query.device)
     for r in range(rows):
         keys, values = gather_layer(batch, r, torch.float32)
+        first = first_attended(keys.shape[1], batch.window)
+        keys, values = keys[:, first:], values[:, first:]
         kv_heads = keys.shape[0]
         q = batch.query[r].float().view(kv_heads, heads // kv_heads, d)
         scores = torch.matmul(q, keys.transpose(1, 2)) * batch.scale  # [kv_heads, group, n]
@@ -147,7 +157,7 @@ def decode_attention_reference(batch: DecodeBatch) -> DecodeResult:
         out[r] = torch.matmul(probs, values).reshape(heads, d)
         lse[r] = scores.logsumexp(dim=-1).reshape(heads)
         if int(batch.observe_index[r]) >= 0:
-            observed[int(batch.observe_index[r]), : keys.shape[1]] = probs.mean(dim=(0, 1))
+            observed[int(batch.observe_index[r]), first : first + keys.shape[1]] = probs.mean(dim=(0, 1))
     return DecodeResult(out, lse, observed)
 
 
@@ -174,6 +184,7 @@ def kernel_arguments(batch: DecodeBatch) -> tuple:
         float(batch.scale),
         index(batch.observe_index),
         int(batch.num_observed),
+        int(batch.window),
     )
 
 

@@ -166,6 +166,7 @@ def _attend(
     ko_row_width,
     block_size,
     scale,
+    window,
     KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -178,18 +179,20 @@ def _attend(
 ):
     """Output and lse of one (row, KV head) pair: an online softmax over tiles of BLOCK_N entries. Keys
     are read from the key pool (`data`, FORMAT), FULL values from the value pool (`v_data`, V_FORMAT),
-    KEY_ONLY values from the key-only pool (`ko_data`, KO_FORMAT)."""
+    KEY_ONLY values from the key-only pool (`ko_data`, KO_FORMAT). A sliding-window layer's row
+    (`window` > 0) attends to its last `window` entries."""
     row = tl.load(launch_rows + tl.program_id(0)).to(tl.int64)
     kv_head = tl.program_id(1)
     slot = tl.load(row_slot + row).to(tl.int64)
     n = tl.load(num_keys + slot)
     n_key_only = tl.load(num_key_only + slot)
+    first = tl.where(window > 0, tl.maximum(n - window, 0), 0)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, BLOCK_D)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-    for j0 in range(0, n, BLOCK_N):
+    for j0 in range(first, n, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         valid = j < n
         s = _scores(
@@ -274,6 +277,7 @@ def _observe(
     row_width,
     block_size,
     scale,
+    window,
     KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -282,12 +286,14 @@ def _observe(
     BLOCK_N: tl.constexpr,
     FORMAT: tl.constexpr,
 ):
-    """The probability entries of one tile of an observed row received, mean over every query head."""
+    """The probability entries of one tile of an observed row received, mean over every query head
+    (zero before a sliding-window row's window)."""
     row = tl.load(launch_rows + tl.program_id(0)).to(tl.int64)
     slot = tl.load(row_slot + row).to(tl.int64)
     n = tl.load(num_keys + slot)
+    first = tl.where(window > 0, tl.maximum(n - window, 0), 0)
     j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    valid = j < n
+    valid = (j < n) & (j >= first)
     g = tl.arange(0, GROUP_PAD)
     probs = tl.zeros([BLOCK_N], tl.float32)
     for kv_head in range(KV_HEADS):
@@ -439,6 +445,7 @@ def decode_attention_triton(batch: DecodeBatch) -> DecodeResult:
             ko_row_width,
             batch.block_size,
             batch.scale,
+            batch.window,
             FORMAT=FORMAT_CODES[batch.pools[key_pool].format],
             V_FORMAT=FORMAT_CODES[batch.pools[value_pool].format],
             KO_FORMAT=FORMAT_CODES[batch.pools[batch.key_only_pool].format],
@@ -466,6 +473,7 @@ def decode_attention_triton(batch: DecodeBatch) -> DecodeResult:
             row_width,
             batch.block_size,
             batch.scale,
+            batch.window,
             FORMAT=FORMAT_CODES[batch.pools[key_pool].format],
             **shape,
         )

@@ -53,15 +53,17 @@ def check_family(config) -> None:
         raise ValueError(f"this {FAMILIES[family]} model soft-caps its attention logits, which is not supported")
 
 
-def attention_window(config) -> int | None:
-    """How far back the model's sliding-window layers attend; None when every layer attends to the
-    whole context. (A config with `layer_types` says which layers slide; Mistral's has none and
-    slides on every layer when `sliding_window` is set.)"""
+def attention_windows(config) -> list[int | None]:
+    """How far back each layer attends: its sliding window, or None for the whole context. (A config
+    with `layer_types` says which layers slide; Mistral's and Phi-3's have none and slide on every
+    layer when `sliding_window` is set.)"""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
-    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
-        return None
-    return int(window)
+    if not window:
+        return [None] * config.num_hidden_layers
+    if layer_types is None:
+        return [int(window)] * config.num_hidden_layers
+    return [int(window) if kind == "sliding_attention" else None for kind in layer_types]
 
 
 @dataclass(frozen=True)
@@ -100,14 +102,15 @@ def load_model(
         raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
     config = AutoConfig.from_pretrained(path)
     check_family(config)
-    if (window := attention_window(config)) is not None:
-        log.warning(
-            "%s has sliding-window attention (window %d tokens): requests are served up to %d tokens of "
-            "context, where its outputs equal transformers'; a longer context needs a KV cache that holds "
-            "only the window, which is not built",
+    windows = attention_windows(config)
+    if any(windows):
+        log.info(
+            "%s has sliding-window attention (%d of %d layers, %d tokens): those layers hold only their window, "
+            "and compression leaves them whole",
             path.name,
-            window,
-            window,
+            sum(w is not None for w in windows),
+            len(windows),
+            max(w for w in windows if w),
         )
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else (getattr(config, "dtype", None) or torch.float32)

@@ -251,6 +251,7 @@ struct Args {
   const int32_t* num_key_only;
   int64_t block_size;
   float scale;
+  int64_t window;  // a sliding-window layer's: a row attends to its last `window` entries (0: to all)
   const int32_t* observe_index;
   std::vector<int64_t> observed_row;  // per observed index: the row that fills it, or -1
   int64_t width;  // entries held by the longest observed row
@@ -266,6 +267,12 @@ struct Args {
   float* lse;
   float* observed;
 };
+
+// The first entry a row holding n attends to: a sliding-window layer holds its entries in position
+// order, so its window is its last `window` entries.
+CONFKV_INLINE int64_t first_attended(const Args& a, int64_t n) {
+  return a.window > 0 ? std::max<int64_t>(0, n - a.window) : 0;
+}
 
 // Per-thread buffers.
 struct Scratch {
@@ -487,6 +494,7 @@ CONFKV_MULTIVERSION void attend_span(const Args& a, int64_t row, int64_t kv_head
 // Combines the spans of a (row, KV head) pair into its output and lse.
 CONFKV_MULTIVERSION void merge_spans(const Args& a, int64_t row, int64_t kv_head) {
   const int64_t n = a.num_keys[a.row_slot[row]];
+  const int64_t first = first_attended(a, n);
   const int64_t dim = a.dim;
   const int64_t head0 = row * a.heads + kv_head * a.group;
   const int64_t span0 = (row * a.kv_heads + kv_head) * a.spans;
@@ -495,9 +503,9 @@ CONFKV_MULTIVERSION void merge_spans(const Args& a, int64_t row, int64_t kv_head
     float* out = a.out + (head0 + g) * dim;
     std::fill(out, out + dim, 0.f);
     float max = -std::numeric_limits<float>::infinity();
-    for (int64_t c = 0; c < used; ++c) max = std::max(max, a.span_max[(span0 + c) * a.group + g]);
+    for (int64_t c = first / kSpan; c < used; ++c) max = std::max(max, a.span_max[(span0 + c) * a.group + g]);
     float sum = 0.f;
-    for (int64_t c = 0; c < used; ++c) {
+    for (int64_t c = first / kSpan; c < used; ++c) {
       const int64_t i = (span0 + c) * a.group + g;
       const float weight = std::exp(a.span_max[i] - max);
       sum += a.span_sum[i] * weight;
@@ -505,12 +513,12 @@ CONFKV_MULTIVERSION void merge_spans(const Args& a, int64_t row, int64_t kv_head
 #pragma omp simd
       for (int64_t d = 0; d < dim; ++d) out[d] += acc[d] * weight;
     }
-    if (n > 0) {
+    if (n > first) {
       const float inv = 1.f / sum;
 #pragma omp simd
       for (int64_t d = 0; d < dim; ++d) out[d] *= inv;
     }
-    a.lse[head0 + g] = n > 0 ? max + std::log(sum) : -std::numeric_limits<float>::infinity();
+    a.lse[head0 + g] = n > first ? max + std::log(sum) : -std::numeric_limits<float>::infinity();
     a.head_max[head0 + g] = max;
     a.head_sum[head0 + g] = sum;
   }
@@ -523,16 +531,17 @@ CONFKV_MULTIVERSION void observe_probabilities(const Args& a, int64_t o) {
   const int64_t row = a.observed_row[o];
   if (row < 0) return;
   const int64_t n = a.num_keys[a.row_slot[row]];
+  const int64_t first = first_attended(a, n);  // entries before it were not attended: zero
   for (int64_t h = 0; h < a.heads; ++h) {
     const float* raw = a.raw + (o * a.heads + h) * a.width;
     const float max = a.head_max[row * a.heads + h];
     const float inv = 1.f / a.head_sum[row * a.heads + h];
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) dst[j] += exp_nonpositive(raw[j] - max) * inv;
+    for (int64_t j = first; j < n; ++j) dst[j] += exp_nonpositive(raw[j] - max) * inv;
   }
   const auto heads = static_cast<float>(a.heads);
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) dst[j] /= heads;
+  for (int64_t j = first; j < n; ++j) dst[j] /= heads;
 }
 
 const int32_t* int32_data(const at::Tensor& t, const char* name, int64_t dims) {
@@ -559,7 +568,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
     const at::Tensor& row_value_pool, int64_t key_only_pool, const at::Tensor& key_tables,
     const at::Tensor& value_tables, const at::Tensor& key_only_tables, const at::Tensor& num_keys,
     const at::Tensor& num_key_only, int64_t block_size, double scale, const at::Tensor& observe_index,
-    int64_t num_observed) {
+    int64_t num_observed, int64_t window) {
   TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kFloat && query.is_contiguous() &&
                   query.dim() == 3,
               "query must be a contiguous float32 CPU tensor [rows, heads, head_dim]");
@@ -630,6 +639,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
   a.key_only_pool = key_only_pool;
   a.block_size = block_size;
   a.scale = static_cast<float>(scale);
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: every entry)");
+  a.window = window;
   TORCH_CHECK(num_observed >= 0, "num_observed must be >= 0");
   if (key_only_pool >= 0 && key_only_pool < num_pools) {
     TORCH_CHECK(a.pools[key_only_pool].format != kInt4c, "key_only_pool ", key_only_pool,
@@ -703,8 +714,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t pair = item / a.spans, row = pair / a.kv_heads, kv_head = pair % a.kv_heads;
-      const int64_t begin = (item % a.spans) * kSpan;
-      const int64_t end = std::min(begin + kSpan, static_cast<int64_t>(a.num_keys[a.row_slot[row]]));
+      const int64_t n = a.num_keys[a.row_slot[row]];
+      const int64_t begin = std::max((item % a.spans) * kSpan, first_attended(a, n));
+      const int64_t end = std::min((item % a.spans) * kSpan + kSpan, n);
       if (begin < end) {
         attend_span(a, row, kv_head, begin, end, a.span_max + item * a.group, a.span_sum + item * a.group,
                     a.span_acc + item * a.group * dim, scratch);
@@ -728,6 +740,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("row_pool"), py::arg("row_value_pool"), py::arg("key_only_pool"), py::arg("key_tables"),
         py::arg("value_tables"), py::arg("key_only_tables"), py::arg("num_keys"), py::arg("num_key_only"),
         py::arg("block_size"), py::arg("scale"), py::arg("observe_index"), py::arg("num_observed"),
+        py::arg("window") = 0,
         // The pass holds no Python state: let the server's other threads run meanwhile.
         py::call_guard<py::gil_scoped_release>());
   m.def("encode_rows", &encode_rows,
