@@ -409,6 +409,7 @@ def batches(draw: st.DrawFn, max_keys: int = 300) -> DecodeBatch:
         scale=head_dim**-0.5,
         observe_index=observe_index,
         num_observed=num_observed,
+        window=draw(st.sampled_from([0, 0, 1, 7, 40])),  # a sliding-window layer's, or none
     )
 
 
