@@ -18,7 +18,7 @@ from confkv.compress.config import CompressionConfig, Thresholds
 from confkv.compress.scoring import POLICIES, option_fields
 from confkv.models.loader import FAMILIES, REFUSED_FAMILIES
 from confkv.server.sampling_options import SamplingOptions
-from confkv.server.settings import ClusterSettings, Settings
+from confkv.server.settings import CalibrationSettings, ClusterSettings, Settings
 
 DOCUMENT = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 _BLOCK = re.compile(r"(<!-- settings (?P<name>\w+) -->\n).*?(<!-- /settings -->)", re.S)
@@ -77,6 +77,7 @@ TABLES = {
     "families": families_table,
     "server": server_table,
     "cluster": lambda: server_table(ClusterSettings, "cluster."),
+    "calibration": lambda: server_table(CalibrationSettings, "calibration."),
     "policy_file": policy_file_table,
     "thresholds": lambda: policy_file_table(Thresholds),
     "policy_options": policy_options_table,
