@@ -238,5 +238,5 @@ def test_a_step_that_only_compresses_runs_no_forward_and_emits_nothing(model, to
 @pytest.mark.parametrize("on", [False, True])
 def test_the_server_setting_reaches_the_engine(tiny_model_dir, on):
     settings = Settings(model_path=tiny_model_dir, async_compression=on, max_cache_size="64MB", value_predictor="off")
-    engine = build_engine(settings)
+    engine, _ = build_engine(settings)
     assert engine.config.async_compression is on and (engine.worker is not None) is on

@@ -352,7 +352,7 @@ def test_a_share_of_cuda_memory_is_a_share_of_what_the_weights_and_activations_l
     pass of the largest step has run (its activation peak stays available), and the server starts."""
     settings = Settings(model_path=model_path, device="cuda", max_cache_size="50%", max_num_batched_tokens=2048)
     torch.cuda.reset_peak_memory_stats(CUDA)
-    engine = build_engine(settings)
+    engine, _ = build_engine(settings)
     free, _ = torch.cuda.mem_get_info(CUDA)
     unused = free + torch.cuda.memory_reserved(CUDA) - torch.cuda.memory_allocated(CUDA)
     peak_activations = torch.cuda.max_memory_allocated(CUDA) - torch.cuda.memory_allocated(CUDA)
