@@ -17,7 +17,10 @@ Its parts, in order of what matters most, each under a time limit:
    offered, compression off against dynamic 0.6;
 4. async: asynchronous compression against compressing between steps
    (`benchmarks/async_compression/run.py`), 16 and 64 sequences of 1024 tokens on the same model:
-   decode throughput, and compression's share of the step on the critical path and beside it.
+   decode throughput, and compression's share of the step on the critical path and beside it;
+5. calibrate: the retention confidence fitted for the same model on the GPU (`conf-kv calibrate
+   --device cuda`, a quarter of its corpus sequences): how long a model of this size waits for its
+   thresholds.
 
 Each part writes its own results under benchmarks/gpu_check/results/gpu/; this script adds gpu_check.{json,md}
 (the GPU, torch, triton and transformers, each part's status and time, the figures) and reports two
@@ -60,8 +63,8 @@ from benchmarks.report import ROOT, Provenance, command_line, save_report  # noq
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-TESTS, DECODE, SERVING, ASYNC = "tests", "decode", "serving", "async"
-PARTS = (TESTS, DECODE, SERVING, ASYNC)
+TESTS, DECODE, SERVING, ASYNC, CALIBRATE = "tests", "decode", "serving", "async", "calibrate"
+PARTS = (TESTS, DECODE, SERVING, ASYNC, CALIBRATE)
 DECODE_SETUPS = ("compression off", "int8, rate 0.6", "int8, rate 0.875")
 SERVING_ON = "dynamic 0.6"  # serving_client.py's compressed mode
 DECODE_TARGET = 0.6  # compressed int8 step / bf16 step, at most
@@ -83,22 +86,27 @@ class Plan:
     requests: int  # serving: requests offered at once
     max_tokens: int  # serving: tokens each decodes
     async_prompt_tokens: int  # async: prompt length (two engines' caches at once, both batches)
+    calibrate_sequences: int  # calibrate: corpus sequences recorded (24 by default)
+    calibrate_prompt_tokens: int  # calibrate: tokens of each
+    calibrate_window: int  # calibrate: the prediction window fitted for
     threads: int
     limits: dict[str, float] = field(default_factory=dict)
 
 
 # An H200 (about 139 GiB): 64 x 4096 tokens of this model's KV are 32 GiB in bf16, the weights 16 GiB.
-# The limits add up to 8 minutes, so that a lease of a quarter of an hour leaves time to run again the
+# The limits add up to 9 minutes, so that a lease of a quarter of an hour leaves time to run again the
 # parts that failed (`--parts`).
 GPU = Plan(
     "cuda", "bfloat16", "Llama-3.1-8B", seqs=64, prompt_tokens=4096, steps=32, profile_steps=16, fit=16,
-    requests=128, max_tokens=128, async_prompt_tokens=1024, threads=os.cpu_count() or 16,
-    limits={TESTS: 150, DECODE: 120, SERVING: 150, ASYNC: 60},
+    requests=128, max_tokens=128, async_prompt_tokens=1024, calibrate_sequences=6, calibrate_prompt_tokens=800,
+    calibrate_window=128, threads=os.cpu_count() or 16,
+    limits={TESTS: 150, DECODE: 120, SERVING: 150, ASYNC: 60, CALIBRATE: 60},
 )  # fmt: skip
 DRY_RUN = Plan(
     "cpu", "float32", "SmolLM2-135M-Instruct", seqs=2, prompt_tokens=64, steps=4, profile_steps=4, fit=2,
-    requests=4, max_tokens=8, async_prompt_tokens=64, threads=2,
-    limits={TESTS: 120, DECODE: 240, SERVING: 300, ASYNC: 240},
+    requests=4, max_tokens=8, async_prompt_tokens=64, calibrate_sequences=2, calibrate_prompt_tokens=64,
+    calibrate_window=16, threads=2,
+    limits={TESTS: 120, DECODE: 240, SERVING: 300, ASYNC: 240, CALIBRATE: 240},
 )  # fmt: skip
 
 
@@ -186,6 +194,14 @@ def plan_parts(plan: Plan, results: Path, junit: Path, dry_run: bool) -> list[Pa
             + [str(plan.async_prompt_tokens), "--tokens", str(plan.steps), "--out"]
             + [relative(results / "gpu_async_compression")],
             plan.limits[ASYNC],
+        ),
+        Part(
+            CALIBRATE,
+            ["-m", "confkv.compress.predictor.fitting", "--model-path", str(model), "--device", plan.device]
+            + ["--threads", str(plan.threads), "--sequences", str(plan.calibrate_sequences), "--prompt-tokens"]
+            + [str(plan.calibrate_prompt_tokens), "--prediction-window", str(plan.calibrate_window), "--out"]
+            + [relative(results / "gpu_fitted_confidence")],
+            plan.limits[CALIBRATE],
         ),
     ]
 
@@ -374,6 +390,12 @@ def summary(data: dict) -> str:
                     f"compression on the critical path {100 * between['critical_share']:.1f}% / "
                     f"{100 * beside['critical_share']:.1f}% of the step | |"
                 )
+        if part["name"] == CALIBRATE and part["status"].startswith("ok"):
+            lines.append(
+                f"| - {plan['calibrate_sequences']} corpus sequences of {plan['calibrate_prompt_tokens']} tokens, "
+                f"window {plan['calibrate_window']} | {part['elapsed_s']:.0f} s, the model's load included (the "
+                "default records 24) | |"
+            )
     for target in data["targets"].values():
         lines.append(f"| target: {target['target']} | {target['measured']}: {target['met'] or 'not measured'} | |")
     return "\n".join(lines)
