@@ -156,3 +156,9 @@ def test_a_predictor_is_refused_by_an_engine_that_keeps_too_few_observations(tin
     found = server_confidence(settings, engine.model.config, settings.compression(), torch.device("cpu"))
     with pytest.raises(ValueError, match="observations per entry"):
         engine.compression.use_confidence(found.future_value, found.calibrations)
+
+
+def test_the_shipped_predictor_is_found_by_the_models_fingerprint_whatever_its_folder_is_called(default_path, tmp_path):
+    config = AutoConfig.from_pretrained(default_path)
+    found = predictor_path(tmp_path / "renamed-copy", config, 128)
+    assert found.parent.name == "weights" and load_predictor(found, model_fingerprint(config)) is not None

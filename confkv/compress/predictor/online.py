@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from safetensors import safe_open
 
 from confkv.compress.predictor.calibration import Calibration, Source, calibration_path, load_calibrations
 from confkv.compress.predictor.features import unscaled_attention, window_features
@@ -117,13 +118,27 @@ class FutureValue:
 def predictor_path(model_path: Path | None, model_config=None, prediction_window: int | None = None) -> Path:
     """Where a model's predictor lives, the first that exists of: the model folder's own
     (PREDICTOR_FILE); given the model's config and window, the one fitted for them (`fitted_dir`,
-    `conf-kv calibrate`); the one shipped for it, confkv/compress/predictor/weights/<model folder
-    name>.safetensors (the last when none exists)."""
+    `conf-kv calibrate`); given its config, the one shipped for its fingerprint; the one shipped
+    under its folder's name, confkv/compress/predictor/weights/<name>.safetensors (the last when
+    none exists)."""
     candidates = [Path(model_path) / PREDICTOR_FILE] if model_path is not None else []
     if model_config is not None and prediction_window is not None:
         candidates.append(fitted_dir(model_config, prediction_window) / PREDICTOR_FILE)
+    if model_config is not None and (shipped := shipped_for(model_config)) is not None:
+        candidates.append(shipped)
     candidates.append(PREDICTOR_DIR / f"{model_path.name if model_path else MODEL_NAME}.safetensors")
     return next((path for path in candidates if path.is_file()), candidates[-1])
+
+
+def shipped_for(model_config) -> Path | None:
+    """The shipped predictor trained on this model's fingerprint, whatever its folder is called (the
+    embedded model converted, a copy renamed)."""
+    fingerprint = model_fingerprint(model_config)
+    for path in sorted(PREDICTOR_DIR.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            if handle.metadata().get("model_fingerprint") == fingerprint:
+                return path
+    return None
 
 
 def fitted_dir(model_config, prediction_window: int) -> Path:
