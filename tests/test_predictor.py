@@ -172,8 +172,13 @@ def test_without_weights_the_server_says_it_scores_by_attention_only(tmp_path, c
     assert "observed attention only" in caplog.text and "conf-kv calibrate" in caplog.text
 
 
-@pytest.mark.parametrize(("min_attention", "logged"), [(0.0, "every drop"), (2.0, "none")])
-def test_dropped_entries_that_draw_attention_are_logged_for_training(tokenizer, tmp_path, min_attention, logged):
+@pytest.mark.parametrize(
+    ("min_attention", "logged", "silent"),
+    [(0.0, "every drop", False), (2.0, "none", False), (0.0, "none", True)],  # silent: a tensor-parallel follower's
+)
+def test_dropped_entries_that_draw_attention_are_logged_for_training(
+    tokenizer, tmp_path, min_attention, logged, silent
+):
     from confkv.compress.config import CompressionConfig, resolve
     from confkv.compress.predictor.misses import MissLog
     from confkv.compress.predictor.online import FutureValue
@@ -184,6 +189,7 @@ def test_dropped_entries_that_draw_attention_are_logged_for_training(tokenizer, 
     model = tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
     settings = CompressionConfig(sink_tokens=4, recent_window=16, compression_interval=8, score_interval=2)
     misses = MissLog(tmp_path / "errors", prediction_window=16, min_attention=min_attention)
+    misses = misses.silent() if silent else misses
     engine = LLMEngine(
         model, tokenizer, EngineConfig(max_cache_bytes=2**30), settings, FutureValue(NewestFirst(), 2, misses)
     )

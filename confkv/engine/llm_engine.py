@@ -215,7 +215,7 @@ class LLMEngine:
         )
         if found.calibrations:
             self.compression.use_confidence(found.future_value, found.calibrations)
-            self._order("use_confidence", predictor_file, misses, with_predictor)
+            self._order("use_confidence", predictor_file, misses.silent() if misses else None, with_predictor)
         return found
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -63,7 +63,7 @@ def build_engine(settings: Settings, ranks: RankGroup | None = None) -> tuple[LL
     if device.type == "cuda":  # a share of device memory is a share of what the activations leave
         profile_forward(model, settings.max_num_batched_tokens)
     compression = settings.compression()
-    confidence = server_confidence(settings, model.config, compression, device)
+    confidence = server_confidence(settings, model.config, compression, device, ranks.is_leader)
     calibration = BackgroundCalibration(settings, model.config, confidence)
     config = EngineConfig(
         max_cache_bytes=ranks.least(settings.max_cache_bytes(device)),

@@ -38,9 +38,14 @@ log = logging.getLogger(__name__)
 STOP_GRACE_S = 5.0  # how long a stopping fitting may take to exit before it is killed
 
 
-def server_confidence(settings: Settings, model_config, compression: CompressionConfig, device) -> Confidence:
-    """The predictor and calibration the settings name (`value_predictor`), for this model."""
+def server_confidence(
+    settings: Settings, model_config, compression: CompressionConfig, device, leader: bool = True
+) -> Confidence:
+    """The predictor and calibration the settings name (`value_predictor`), for this model; a
+    tensor-parallel follower's (not `leader`) logs no misses of its own."""
     misses = miss_log(settings, compression)
+    if misses is not None and not leader:
+        misses = misses.silent()
     if settings.value_predictor not in ("off", "auto"):  # the operator's own file: refused if it does not fit
         path = Path(settings.value_predictor)
         future_value = load_future_value(path, model_config, device, compression.score_interval, misses)

@@ -43,12 +43,18 @@ class Dropped:
 
 
 class MissLog:
-    def __init__(self, folder: Path, prediction_window: int, min_attention: float = 0.02) -> None:
+    def __init__(self, folder: Path, prediction_window: int, min_attention: float = 0.02, writes: bool = True) -> None:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.prediction_window = prediction_window
         self.min_attention = min_attention  # attention mass over the window that makes a drop a mistake
+        self.writes = writes  # False: count only (a tensor-parallel follower: rank 0 writes)
         self.written = 0  # samples written so far
+
+    def silent(self) -> MissLog:
+        """The same log that counts and writes nothing: a tensor-parallel follower's, whose engine
+        must audit as rank 0's does, while rank 0 alone writes the samples."""
+        return MissLog(self.folder, self.prediction_window, self.min_attention, writes=False)
 
     def attended(self, dropped: Dropped, mass: torch.Tensor, step: int) -> None:
         """Count one decode step's attention on the dropped entries (`mass` in drop order)."""
@@ -60,7 +66,7 @@ class MissLog:
         windows = [d.windows[d.future >= self.min_attention] for d in layers]
         futures = [d.future[d.future >= self.min_attention] for d in layers]
         count = sum(len(w) for w in windows)
-        if count:
+        if count and self.writes:
             tensors = {"windows": torch.cat(windows).float().cpu(), "targets": target(torch.cat(futures)).float().cpu()}
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(self.folder / f"{name}.safetensors"))
             self.written += count
