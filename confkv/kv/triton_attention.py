@@ -166,7 +166,7 @@ def _attend(
     ko_row_width,
     block_size,
     scale,
-    window,
+    first_keys,
     KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -179,14 +179,14 @@ def _attend(
 ):
     """Output and lse of one (row, KV head) pair: an online softmax over tiles of BLOCK_N entries. Keys
     are read from the key pool (`data`, FORMAT), FULL values from the value pool (`v_data`, V_FORMAT),
-    KEY_ONLY values from the key-only pool (`ko_data`, KO_FORMAT). A sliding-window layer's row
-    (`window` > 0) attends to its last `window` entries."""
+    KEY_ONLY values from the key-only pool (`ko_data`, KO_FORMAT), from the slot's first attended
+    entry on (`first_keys`: past a sliding-window layer's window; else 0)."""
     row = tl.load(launch_rows + tl.program_id(0)).to(tl.int64)
     kv_head = tl.program_id(1)
     slot = tl.load(row_slot + row).to(tl.int64)
     n = tl.load(num_keys + slot)
     n_key_only = tl.load(num_key_only + slot)
-    first = tl.where(window > 0, tl.maximum(n - window, 0), 0)
+    first = tl.load(first_keys + slot)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, BLOCK_D)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -277,7 +277,7 @@ def _observe(
     row_width,
     block_size,
     scale,
-    window,
+    first_keys,
     KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -291,7 +291,7 @@ def _observe(
     row = tl.load(launch_rows + tl.program_id(0)).to(tl.int64)
     slot = tl.load(row_slot + row).to(tl.int64)
     n = tl.load(num_keys + slot)
-    first = tl.where(window > 0, tl.maximum(n - window, 0), 0)
+    first = tl.load(first_keys + slot)
     j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = (j < n) & (j >= first)
     g = tl.arange(0, GROUP_PAD)
@@ -408,6 +408,8 @@ def decode_attention_triton(batch: DecodeBatch) -> DecodeResult:
 
     row_slot, observe_index = index(batch.row_slot), index(batch.observe_index)
     num_keys, num_key_only = index(batch.num_keys), index(batch.num_key_only)
+    # Each slot's first attended entry (`first_attended`), computed here once rather than per program.
+    first_keys = index((batch.num_keys - batch.window).clamp_min(0) if batch.window else torch.zeros_like(num_keys))
     key_tables, value_tables = index(batch.key_tables), index(batch.value_tables)
     key_only_tables = index(batch.key_only_tables)
     ko_data, ko_params, ko_row_width = _pool_arguments(batch.pools[batch.key_only_pool])
@@ -445,7 +447,7 @@ def decode_attention_triton(batch: DecodeBatch) -> DecodeResult:
             ko_row_width,
             batch.block_size,
             batch.scale,
-            batch.window,
+            first_keys,
             FORMAT=FORMAT_CODES[batch.pools[key_pool].format],
             V_FORMAT=FORMAT_CODES[batch.pools[value_pool].format],
             KO_FORMAT=FORMAT_CODES[batch.pools[batch.key_only_pool].format],
@@ -473,7 +475,7 @@ def decode_attention_triton(batch: DecodeBatch) -> DecodeResult:
             row_width,
             batch.block_size,
             batch.scale,
-            batch.window,
+            first_keys,
             FORMAT=FORMAT_CODES[batch.pools[key_pool].format],
             **shape,
         )
