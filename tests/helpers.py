@@ -345,8 +345,10 @@ def make_pool(fmt: str, num_blocks: int, kv_heads: int, block_size: int, head_di
 def batches(draw: st.DrawFn, max_keys: int = 300) -> DecodeBatch:
     block_size = draw(st.sampled_from([4, 16]))
     kv_heads = draw(st.integers(1, 3))
-    heads = kv_heads * draw(st.integers(1, 3))
-    head_dim = draw(st.sampled_from([8, 16, 64]))  # int4c spreads 2 x head_dim params over a block's rows
+    # Groups of 1-8 query heads take the kernel's vector path (a register each), more its portable loops.
+    heads = kv_heads * draw(st.sampled_from([1, 2, 3, 4, 5, 8, 9]))
+    # int4c spreads 2 x head_dim params over a block's rows; the vector path reads whole chunks of 32.
+    head_dim = draw(st.sampled_from([8, 16, 32, 64, 128]))
     rows = draw(st.integers(1, 4))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
     # Key pools, then a pool of per-token values for the rows whose key format holds no values.

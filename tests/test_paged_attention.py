@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import shutil
 from collections.abc import Iterator
 
@@ -80,6 +81,29 @@ def test_kernel_matches_reference(kernel, batch: DecodeBatch) -> None:
 def test_kernel_matches_reference_on_long_sequences(kernel, batch: DecodeBatch) -> None:
     # Long enough for a (row, KV head) pair to be split into several work items, then merged.
     assert_matches(run_kernel(kernel, batch), decode_attention_reference(batch))
+
+
+@contextlib.contextmanager
+def portable_loops() -> Iterator[None]:
+    """The kernel's portable loops instead of its vector path (read at every call)."""
+    before = os.environ.get("CONFKV_PORTABLE_KERNEL")
+    os.environ["CONFKV_PORTABLE_KERNEL"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CONFKV_PORTABLE_KERNEL"]
+        else:
+            os.environ["CONFKV_PORTABLE_KERNEL"] = before
+
+
+@needs_compiler
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=batches())
+def test_portable_loops_match_reference(kernel, batch: DecodeBatch) -> None:
+    # What a CPU without AVX2, FMA and F16C runs (and any head_dim the vector path does not take).
+    with portable_loops():
+        assert_matches(run_kernel(kernel, batch), decode_attention_reference(batch))
 
 
 def only_row(batch: DecodeBatch, row: int) -> DecodeBatch:

@@ -12,12 +12,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
 
 #include "formats.h"
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 // The build stays portable (no -march): the hot path is compiled per ISA level and picked at load time.
@@ -117,8 +122,7 @@ CONFKV_INLINE const uint16_t* params_of(const uint8_t* row, int64_t dim) {
 // The vector of entry `e` as float32: a pointer into the pool for float32, else decoded into `buf`. For int4c,
 // `channels` holds its block's params for its head, decoded: the scales [dim], then the minimums [dim].
 template <int64_t F>
-CONFKV_INLINE const float* load(const Pool& pool, int64_t e, int64_t dim, float* buf, const float* channels) {
-  const uint8_t* row = pool.data + e * pool.row_bytes;
+CONFKV_INLINE const float* load(const uint8_t* row, int64_t dim, float* buf, const float* channels) {
   if constexpr (F == kFloat32) {
     return reinterpret_cast<const float*>(row);
   } else if constexpr (F == kFloat16) {
@@ -176,8 +180,9 @@ CONFKV_INLINE const float* load(const Pool& pool, int64_t e, int64_t dim, float*
   return buf;
 }
 
-// Walks a table of `entries` entries in order from `start`, without a division per entry. A cursor over int4c
-// keys needs `channels`, room for 2 * dim floats: its current block's params, decoded (see load).
+// Walks a table of `entries` entries in order from `start`, a pointer step per entry: the division, table
+// lookup and products that find a row are done once per block. A cursor over int4c keys needs `channels`,
+// room for 2 * dim floats: its current block's params, decoded (see load).
 class Cursor {
  public:
   Cursor(const int32_t* table, int64_t block_size, int64_t start, int64_t entries, float* channels = nullptr)
@@ -188,42 +193,63 @@ class Cursor {
         offset_(start % block_size),
         channels_(channels) {}
 
-  // The current entry's vector as float32 (see load), then a step to the next entry.
+  // The current entry's row in the pool, then a step to the next entry. For int4c, `channels()` then holds
+  // the params of that entry's block.
   template <int64_t F>
-  CONFKV_INLINE const float* take(const Pool& pool, int64_t kv_head, int64_t dim, float* buf) {
-    if constexpr (F == kInt4c) {
-      // The params are the block's: decoded once per block, not per entry (twice as many values as its codes).
-      if (index_ != channels_index_) {
-        // Each of the block's rows holds the next 2 * dim / block_size of them after its codes.
-        const int64_t share = 2 * dim / block_size_;
-        for (int64_t r = 0; r < block_size_; ++r) {
-          const uint8_t* row = pool.data + vector(table_[index_], r, pool, kv_head) * pool.row_bytes;
-          const uint16_t* src = params_of<F>(row, dim);
-#pragma omp simd
-          for (int64_t i = 0; i < share; ++i) channels_[r * share + i] = half_to_float(src[i]);
-        }
-        channels_index_ = index_;
-      }
-    }
-    const float* vec = load<F>(pool, vector(table_[index_], offset_, pool, kv_head), dim, buf, channels_);
+  CONFKV_INLINE const uint8_t* next(const Pool& pool, int64_t kv_head, int64_t dim) {
+    if (row_ == nullptr) enter<F>(pool, kv_head, dim);
+    const uint8_t* row = row_;
     // Blocks are scattered, so the hardware prefetcher cannot follow from one block to the next:
     // request the entry one block ahead (its row holds its params, and for int4c its share of the block's).
-    if (index_ < last_block_) {
-      const char* bytes =
-          reinterpret_cast<const char*>(pool.data) + vector(table_[index_ + 1], offset_, pool, kv_head) * pool.row_bytes;
-      for (int64_t b = 0; b < pool.row_bytes; b += 64) __builtin_prefetch(bytes + b);
+    if (ahead_ != nullptr) {
+      for (int64_t b = 0; b < pool.row_bytes; b += 64) __builtin_prefetch(ahead_ + b);
+      ahead_ += stride_;
     }
     if (++offset_ == block_size_) {
       offset_ = 0;
       ++index_;
+      row_ = nullptr;
+    } else {
+      row_ += stride_;
     }
-    return vec;
+    return row;
   }
 
+  // The current entry's vector as float32 (see load), then a step to the next entry.
+  template <int64_t F>
+  CONFKV_INLINE const float* take(const Pool& pool, int64_t kv_head, int64_t dim, float* buf) {
+    return load<F>(next<F>(pool, kv_head, dim), dim, buf, channels_);
+  }
+
+  // For int4c: the table index of the block whose params `channels()` holds (it changes when a block begins).
+  int64_t channels_block() const { return channels_index_; }
+  const float* channels() const { return channels_; }
+
  private:
-  // Index of a head vector (a row) in the pool's [num_blocks, block_size, kv_heads] rows.
-  CONFKV_INLINE int64_t vector(int32_t block, int64_t offset, const Pool& pool, int64_t kv_head) const {
-    return (static_cast<int64_t>(block) * block_size_ + offset) * pool.kv_heads + kv_head;
+  // The row of KV head `kv_head` at offset 0 of `block`, in the pool's [num_blocks, block_size, kv_heads] rows.
+  static const uint8_t* block_row(const Pool& pool, int32_t block, int64_t block_size, int64_t kv_head) {
+    return pool.data + ((static_cast<int64_t>(block) * block_size) * pool.kv_heads + kv_head) * pool.row_bytes;
+  }
+
+  // Points at the current entry of block index_ (and the same offset of the next block).
+  template <int64_t F>
+  void enter(const Pool& pool, int64_t kv_head, int64_t dim) {
+    stride_ = pool.kv_heads * pool.row_bytes;
+    const uint8_t* start = block_row(pool, table_[index_], block_size_, kv_head);
+    row_ = start + offset_ * stride_;
+    ahead_ = index_ < last_block_ ? block_row(pool, table_[index_ + 1], block_size_, kv_head) + offset_ * stride_
+                                  : nullptr;
+    if constexpr (F == kInt4c) {
+      // The params are the block's: decoded once per block, not per entry (twice as many values as its codes).
+      // Each of the block's rows holds the next 2 * dim / block_size of them after its codes.
+      const int64_t share = 2 * dim / block_size_;
+      for (int64_t r = 0; r < block_size_; ++r) {
+        const uint16_t* src = params_of<F>(start + r * stride_, dim);
+#pragma omp simd
+        for (int64_t i = 0; i < share; ++i) channels_[r * share + i] = half_to_float(src[i]);
+      }
+      channels_index_ = index_;
+    }
   }
 
   const int32_t* table_;
@@ -233,6 +259,9 @@ class Cursor {
   int64_t offset_;
   float* channels_;
   int64_t channels_index_ = -1;  // the table index of the block whose params `channels_` holds
+  const uint8_t* row_ = nullptr;  // the current entry's row, null until its block is entered
+  const uint8_t* ahead_ = nullptr;  // the row one block ahead, to prefetch
+  int64_t stride_ = 0;  // bytes from an entry's row to the next entry's (same KV head)
 };
 
 struct Args {
@@ -252,6 +281,7 @@ struct Args {
   int64_t block_size;
   float scale;
   int64_t window;  // a sliding-window layer's: a row attends to its last `window` entries (0: to all)
+  bool vector = false;  // whether the vector path serves (see vector_path)
   const int32_t* observe_index;
   std::vector<int64_t> observed_row;  // per observed index: the row that fills it, or -1
   int64_t width;  // entries held by the longest observed row
@@ -279,9 +309,26 @@ struct Scratch {
   std::vector<float> keys, values;  // kUnroll decoded vectors each
   std::vector<float> scores;  // [group, kTile]: scaled scores, then their exp
   std::vector<float> channels;  // [2, dim]: the params of the int4c key block being read, decoded
+  // The vector path's (see attend_vector).
+  std::vector<float> partial;  // [group, 8, 8]: per query head, 8 keys' unreduced dot products
+  std::vector<float> weights;  // [group, kTile]: each value row's probability times its scale
+  std::vector<const uint8_t*> rows;  // [kTile]: the value rows of a tile
+  std::vector<float> query_sum;  // [group]: each query head's sum, what a key's minimum adds per unit
+  std::vector<float> query_codes;  // [group, dim]: the query as it multiplies int4c codes (times the channel scales)
+  std::vector<float> query_shift;  // [group]: and what the block's channel minimums add to its scores
+  int64_t query_block = -1;  // the key block `query_codes` was made for
 
   explicit Scratch(const Args& a)
-      : keys(kUnroll * a.dim), values(kUnroll * a.dim), scores(a.group * kTile), channels(2 * a.dim) {}
+      : keys(kUnroll * a.dim),
+        values(kUnroll * a.dim),
+        scores(a.group * kTile),
+        channels(2 * a.dim),
+        partial(a.group * 64),
+        weights(a.group * kTile),
+        rows(kTile),
+        query_sum(a.group),
+        query_codes(a.group * a.dim),
+        query_shift(a.group) {}
 };
 
 // Scaled scores of the next `count` keys against every query head of the group, into s.scores.
@@ -394,11 +441,13 @@ CONFKV_INLINE void accumulate_any(const Args& a, const Pool& pool, Cursor& value
   }
 }
 
-// Entries [begin, end) of a (row, KV head) pair, into the span's max, sum and acc; F is the format of the
-// row's keys and FULL values, or kAnyFormat (those of their pools, which may differ).
-template <int64_t F>
-CONFKV_INLINE void attend(const Args& a, int64_t row, int64_t kv_head, int64_t begin, int64_t end, float* max,
-                          float* sum, float* acc, Scratch& s) {
+// Entries [begin, end) of a (row, KV head) pair, into the span's max, sum and acc: the tiles' walk and online
+// softmax every path shares. `score(pool, keys, q, count)` writes the next `count` keys' scaled scores into
+// s.scores; `accumulate(pool, values, begin, end)` adds tile positions [begin, end) of values read through
+// `values`, weighted by s.scores (then probabilities), to acc.
+template <class Score, class Accumulate>
+CONFKV_INLINE void attend_with(const Args& a, int64_t row, int64_t kv_head, int64_t begin, int64_t end, float* max,
+                               float* sum, float* acc, Scratch& s, Score score, Accumulate accumulate) {
   const int64_t slot = a.row_slot[row];
   const int64_t n = a.num_keys[slot];
   const int64_t n_key_only = a.num_key_only[slot];
@@ -417,11 +466,7 @@ CONFKV_INLINE void attend(const Args& a, int64_t row, int64_t kv_head, int64_t b
                      n - n_key_only);
   for (int64_t j0 = begin; j0 < end; j0 += kTile) {
     const int64_t count = std::min(kTile, end - j0);
-    if constexpr (F == kAnyFormat) {
-      score_any(a, pool, keys, kv_head, q, count, s);
-    } else {
-      score_tile<F>(a, pool, keys, kv_head, q, count, s);
-    }
+    score(pool, keys, q, count);
     for (int64_t g = 0; g < a.group; ++g) {
       float* sg = s.scores.data() + g * kTile;
       if (observe >= 0) {
@@ -451,16 +496,318 @@ CONFKV_INLINE void attend(const Args& a, int64_t row, int64_t kv_head, int64_t b
     }
     // KEY_ONLY entries come first in key order; their values live in the key-only pool.
     const int64_t key_only_end = std::clamp(n_key_only - j0, int64_t{0}, count);
-    if (key_only_end > 0) {
-      accumulate_any(a, a.pools[a.key_only_pool], key_only_values, kv_head, 0, key_only_end, acc, s);
+    if (key_only_end > 0) accumulate(a.pools[a.key_only_pool], key_only_values, 0, key_only_end);
+    if (key_only_end < count) accumulate(value_pool, full_values, key_only_end, count);
+  }
+}
+
+// attend_with on the portable loops (vectorised by the compiler): F is the format of the row's keys and FULL
+// values, or kAnyFormat (those of their pools, which may differ).
+template <int64_t F>
+CONFKV_INLINE void attend(const Args& a, int64_t row, int64_t kv_head, int64_t begin, int64_t end, float* max,
+                          float* sum, float* acc, Scratch& s) {
+  attend_with(
+      a, row, kv_head, begin, end, max, sum, acc, s,
+      [&](const Pool& pool, Cursor& keys, const float* q, int64_t count) {
+        if constexpr (F == kAnyFormat) {
+          score_any(a, pool, keys, kv_head, q, count, s);
+        } else {
+          score_tile<F>(a, pool, keys, kv_head, q, count, s);
+        }
+      },
+      [&](const Pool& pool, Cursor& values, int64_t first, int64_t last) {
+        // KEY_ONLY values (another pool, another format) are dispatched per tile.
+        if constexpr (F == kAnyFormat) {
+          accumulate_any(a, pool, values, kv_head, first, last, acc, s);
+        } else {
+          if (pool.format == F) {
+            accumulate_values<F>(a, pool, values, kv_head, first, last, acc, s);
+          } else {
+            accumulate_any(a, pool, values, kv_head, first, last, acc, s);
+          }
+        }
+      });
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define CONFKV_VECTOR_PATH 1
+// The vector path: the same walk (attend_with) with the dot products written for AVX2, FMA and F16C (the
+// x86-64-v3 level), on the codes as stored. A key's scores are its codes times the query, times its scale
+// once (plus its minimum times the query's sum); a value's weight is its probability times its scale
+// (plus its minimum times the probability, added to every dimension once per tile). Per key, each query
+// head of the group sums into one register, and 8 keys' sums are reduced together; per value, the
+// group's accumulators stay in registers over a tile, a few dimensions at a time.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+// Dimensions 8c..8c+7 of a row's codes as float: the codes' values, before the row's scale and minimum.
+template <int64_t F>
+CONFKV_INLINE __m256 codes8(const uint8_t* row, int64_t c, int64_t dim) {
+  const int64_t i = 8 * c;
+  if constexpr (F == kFloat32) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);
+  } else if constexpr (F == kFloat16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i)));
+  } else if constexpr (F == kBFloat16) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  } else if constexpr (F == kInt8) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i))));
+  } else if constexpr (F == kInt4 || F == kInt4c) {
+    // Low nibble of byte i is dimension i, high nibble dimension i + dim / 2.
+    const int64_t half = dim / 2;
+    const int64_t byte = i < half ? i : i - half;
+    const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + byte)));
+    const __m256i nibble = i < half ? _mm256_and_si256(wide, _mm256_set1_epi32(0x0f)) : _mm256_srli_epi32(wide, 4);
+    return _mm256_cvtepi32_ps(nibble);
+  } else {
+    static_assert(F == kInt2, "no codes for this format");
+    // Bits 2k..2k+1 of byte i are dimension i + k * dim / 4.
+    const int64_t quarter = dim / 4;
+    const int64_t k = i / quarter;
+    const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i - k * quarter)));
+    const __m256i bits = _mm256_srl_epi32(wide, _mm_cvtsi64_si128(2 * k));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(bits, _mm256_set1_epi32(0x03)));
+  }
+}
+
+// A row's scale and minimum: a vector is its codes times the scale plus the minimum (1 and 0 for floats;
+// int4c's are per channel, see score_vector).
+template <int64_t F>
+CONFKV_INLINE void row_params(const uint8_t* row, int64_t dim, float& scale, float& minimum) {
+  scale = 1.f;
+  minimum = 0.f;
+  if constexpr (F == kInt8) {
+    scale = _cvtsh_ss(params_of<F>(row, dim)[0]);
+  } else if constexpr (F == kInt4 || F == kInt2) {
+    scale = _cvtsh_ss(params_of<F>(row, dim)[0]);
+    minimum = _cvtsh_ss(params_of<F>(row, dim)[1]);
+  }
+}
+
+template <int64_t F>
+constexpr bool has_minimum() {
+  return F == kInt4 || F == kInt2 || F == kInt4c;
+}
+
+// The horizontal sums of v[0..7], as one vector.
+CONFKV_INLINE __m256 sums8(const __m256* v) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // Each lane of u0 holds v[0..3]'s sums over that lane's half of the dimensions; u1 v[4..7]'s.
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Scaled scores of the next `count` keys (format KF) against the G query heads q of the group, into
+// s.scores (8 at a time: positions up to the next multiple of 8 are written too, kTile being one).
+template <int64_t KF, int G>
+CONFKV_INLINE void score_vector(const Args& a, const Pool& pool, Cursor& keys, int64_t kv_head, const float* q,
+                                int64_t count, Scratch& s) {
+  // Keys scored together: independent sums hide the FMA's latency, and each query load serves K keys. One
+  // at a time for int4c, whose query (times the block's channel scales) changes at a block's start.
+  constexpr int K = KF == kInt4c ? 1 : G <= 2 ? 4 : G <= 6 ? 2 : 1;
+  const int64_t dim = a.dim, chunks = dim / 8;
+  float* partial = s.partial.data();
+  const float* query = q;  // as it multiplies the codes
+  alignas(32) float row_scale[8];
+  alignas(32) float row_shift[G][8];  // what a key adds to head g's score: its minimum times the query's sum
+  for (int64_t t0 = 0; t0 < count; t0 += 8) {
+    const int64_t n = std::min<int64_t>(8, count - t0);
+    for (int64_t u = 0; u < 8; u += K) {
+      const uint8_t* rows[K];
+      for (int k = 0; k < K; ++k) {
+        // Past the tile's end, a key is scored again (its scale zeroes it below) rather than branched around.
+        rows[k] = u + k < n ? keys.next<KF>(pool, kv_head, dim) : (k > 0 ? rows[0] : nullptr);
+      }
+      if (rows[0] == nullptr) {  // no key left: sums of nothing
+        for (int k = 0; k < K; ++k) {
+          for (int g = 0; g < G; ++g) _mm256_storeu_ps(partial + (g * 8 + u + k) * 8, _mm256_setzero_ps());
+          row_scale[u + k] = 0.f;
+          for (int g = 0; g < G; ++g) row_shift[g][u + k] = 0.f;
+        }
+        continue;
+      }
+      if constexpr (KF == kInt4c) {
+        if (keys.channels_block() != s.query_block) {  // a new block: its channels' scales and minimums
+          const float* scale = keys.channels();
+          const float* minimum = scale + dim;
+          for (int g = 0; g < G; ++g) {
+            float shift = 0.f;
+#pragma omp simd reduction(+ : shift)
+            for (int64_t i = 0; i < dim; ++i) {
+              s.query_codes[g * dim + i] = q[g * dim + i] * scale[i];
+              shift += q[g * dim + i] * minimum[i];
+            }
+            s.query_shift[g] = shift;
+          }
+          s.query_block = keys.channels_block();
+        }
+        query = s.query_codes.data();
+      }
+      __m256 acc[K][G];
+      for (int k = 0; k < K; ++k) {
+        for (int g = 0; g < G; ++g) acc[k][g] = _mm256_setzero_ps();
+      }
+      for (int64_t c = 0; c < chunks; ++c) {
+        __m256 codes[K];
+        for (int k = 0; k < K; ++k) codes[k] = codes8<KF>(rows[k], c, dim);
+        for (int g = 0; g < G; ++g) {
+          const __m256 qg = _mm256_loadu_ps(query + g * dim + 8 * c);
+          for (int k = 0; k < K; ++k) acc[k][g] = _mm256_fmadd_ps(qg, codes[k], acc[k][g]);
+        }
+      }
+      for (int k = 0; k < K; ++k) {
+        for (int g = 0; g < G; ++g) _mm256_storeu_ps(partial + (g * 8 + u + k) * 8, acc[k][g]);
+        float scale, minimum;
+        row_params<KF>(rows[k], dim, scale, minimum);
+        const bool held = u + k < n;
+        row_scale[u + k] = held ? scale * a.scale : 0.f;
+        for (int g = 0; g < G; ++g) {
+          const float shift = KF == kInt4c ? s.query_shift[g] : minimum * s.query_sum[g];
+          row_shift[g][u + k] = held ? shift * a.scale : 0.f;
+        }
+      }
     }
-    if constexpr (F == kAnyFormat) {
-      accumulate_any(a, value_pool, full_values, kv_head, key_only_end, count, acc, s);
-    } else {
-      accumulate_values<F>(a, value_pool, full_values, kv_head, key_only_end, count, acc, s);
+    for (int g = 0; g < G; ++g) {
+      __m256 v[8];
+      for (int u = 0; u < 8; ++u) v[u] = _mm256_loadu_ps(partial + (g * 8 + u) * 8);
+      __m256 scores = _mm256_mul_ps(sums8(v), _mm256_load_ps(row_scale));
+      if constexpr (has_minimum<KF>()) scores = _mm256_add_ps(scores, _mm256_load_ps(row_shift[g]));
+      _mm256_storeu_ps(s.scores.data() + g * kTile + t0, scores);
     }
   }
 }
+
+// acc[g] += p[g, t] * value_t for tile positions t in [begin, end), values (format VF) read through `values`.
+template <int64_t VF, int G>
+CONFKV_INLINE void accumulate_vector(const Args& a, const Pool& pool, Cursor& values, int64_t kv_head, int64_t begin,
+                                     int64_t end, float* acc, Scratch& s) {
+  const int64_t dim = a.dim, chunks = dim / 8, n = end - begin;
+  const uint8_t** rows = s.rows.data();
+  float* weights = s.weights.data();
+  float shift[G] = {};
+  for (int64_t t = 0; t < n; ++t) {
+    rows[t] = values.next<VF>(pool, kv_head, dim);
+    float scale, minimum;
+    row_params<VF>(rows[t], dim, scale, minimum);
+    for (int g = 0; g < G; ++g) {
+      const float p = s.scores[g * kTile + begin + t];
+      weights[g * kTile + t] = p * scale;
+      shift[g] += p * minimum;
+    }
+  }
+  // Dimensions per pass (C chunks of 8): the group's accumulators, its weights and a chunk of codes fit in
+  // the 16 registers, and enough independent sums hide the FMA's latency.
+  constexpr int64_t C = G <= 3 ? 4 : G <= 5 ? 2 : 1;
+  for (int64_t c0 = 0; c0 < chunks; c0 += C) {
+    __m256 r[G][C];
+    for (int g = 0; g < G; ++g) {
+      for (int64_t c = 0; c < C; ++c) r[g][c] = _mm256_loadu_ps(acc + g * dim + 8 * (c0 + c));
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      __m256 w[G];
+      for (int g = 0; g < G; ++g) w[g] = _mm256_broadcast_ss(weights + g * kTile + t);
+      for (int64_t c = 0; c < C; ++c) {
+        const __m256 v = codes8<VF>(rows[t], c0 + c, dim);
+        for (int g = 0; g < G; ++g) r[g][c] = _mm256_fmadd_ps(w[g], v, r[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      for (int64_t c = 0; c < C; ++c) _mm256_storeu_ps(acc + g * dim + 8 * (c0 + c), r[g][c]);
+    }
+  }
+  if constexpr (has_minimum<VF>()) {
+    for (int g = 0; g < G; ++g) {
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) acc[g * dim + i] += shift[g];
+    }
+  }
+}
+
+template <int G>
+void attend_vector(const Args& a, int64_t row, int64_t kv_head, int64_t begin, int64_t end, float* max, float* sum,
+                   float* acc, Scratch& s) {
+  const int64_t dim = a.dim;
+  const float* q = a.query + (row * a.heads + kv_head * a.group) * dim;
+  for (int g = 0; g < G; ++g) {
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < dim; ++i) total += q[g * dim + i];
+    s.query_sum[g] = total;
+  }
+  s.query_block = -1;
+  attend_with(
+      a, row, kv_head, begin, end, max, sum, acc, s,
+      [&](const Pool& pool, Cursor& keys, const float* query, int64_t count) {
+        switch (pool.format) {
+          case kFloat32:
+            return score_vector<kFloat32, G>(a, pool, keys, kv_head, query, count, s);
+          case kFloat16:
+            return score_vector<kFloat16, G>(a, pool, keys, kv_head, query, count, s);
+          case kBFloat16:
+            return score_vector<kBFloat16, G>(a, pool, keys, kv_head, query, count, s);
+          case kInt8:
+            return score_vector<kInt8, G>(a, pool, keys, kv_head, query, count, s);
+          case kInt4:
+            return score_vector<kInt4, G>(a, pool, keys, kv_head, query, count, s);
+          default:
+            return score_vector<kInt4c, G>(a, pool, keys, kv_head, query, count, s);
+        }
+      },
+      [&](const Pool& pool, Cursor& values, int64_t first, int64_t last) {
+        switch (pool.format) {
+          case kFloat32:
+            return accumulate_vector<kFloat32, G>(a, pool, values, kv_head, first, last, acc, s);
+          case kFloat16:
+            return accumulate_vector<kFloat16, G>(a, pool, values, kv_head, first, last, acc, s);
+          case kBFloat16:
+            return accumulate_vector<kBFloat16, G>(a, pool, values, kv_head, first, last, acc, s);
+          case kInt8:
+            return accumulate_vector<kInt8, G>(a, pool, values, kv_head, first, last, acc, s);
+          case kInt4:
+            return accumulate_vector<kInt4, G>(a, pool, values, kv_head, first, last, acc, s);
+          default:
+            return accumulate_vector<kInt2, G>(a, pool, values, kv_head, first, last, acc, s);
+        }
+      });
+}
+
+constexpr int64_t kVectorGroups = 8;  // the largest query group compiled for (a register each)
+
+void attend_span_vector(const Args& a, int64_t row, int64_t kv_head, int64_t begin, int64_t end, float* max,
+                        float* sum, float* acc, Scratch& s) {
+  switch (a.group) {
+    case 1:
+      return attend_vector<1>(a, row, kv_head, begin, end, max, sum, acc, s);
+    case 2:
+      return attend_vector<2>(a, row, kv_head, begin, end, max, sum, acc, s);
+    case 3:
+      return attend_vector<3>(a, row, kv_head, begin, end, max, sum, acc, s);
+    case 4:
+      return attend_vector<4>(a, row, kv_head, begin, end, max, sum, acc, s);
+    case 5:
+      return attend_vector<5>(a, row, kv_head, begin, end, max, sum, acc, s);
+    case 6:
+      return attend_vector<6>(a, row, kv_head, begin, end, max, sum, acc, s);
+    case 7:
+      return attend_vector<7>(a, row, kv_head, begin, end, max, sum, acc, s);
+    default:
+      return attend_vector<8>(a, row, kv_head, begin, end, max, sum, acc, s);
+  }
+}
+
+#pragma GCC pop_options
+
+// Whether the vector path serves this call: the CPU has AVX2, FMA and F16C, head_dim is a multiple of 32 (whole
+// chunks of 8 dimensions at every format), the group fits its registers, and CONFKV_PORTABLE_KERNEL=1 does not
+// ask for the portable loops (the tests hold both to the reference).
+bool vector_path(const Args& a) {
+  static const bool supported =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const char* portable = std::getenv("CONFKV_PORTABLE_KERNEL");
+  return supported && a.dim % 32 == 0 && a.group <= kVectorGroups && !(portable && std::strcmp(portable, "1") == 0);
+}
+#endif
 
 // Rows whose keys and FULL values differ in format (int4c keys, whose values are per token, always): one more
 // copy of the loops, dispatched per tile, rather than one per pair. A function of its own, so that the usual
@@ -472,6 +819,9 @@ CONFKV_MULTIVERSION void attend_span_mixed(const Args& a, int64_t row, int64_t k
 
 CONFKV_MULTIVERSION void attend_span(const Args& a, int64_t row, int64_t kv_head, int64_t begin, int64_t end,
                                      float* max, float* sum, float* acc, Scratch& s) {
+#ifdef CONFKV_VECTOR_PATH
+  if (a.vector) return attend_span_vector(a, row, kv_head, begin, end, max, sum, acc, s);
+#endif
   const int64_t format = a.pools[a.row_pool[row]].format;
   // Values in the keys' format (the usual pairing) are compiled with them.
   if (a.pools[a.row_value_pool[row]].format != format) {
@@ -706,17 +1056,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_attention(
   a.lse = lse.data_ptr<float>();
   a.observed = observed.data_ptr<float>();
 
+#ifdef CONFKV_VECTOR_PATH
+  a.vector = vector_path(a);
+#endif
   const int threads = static_cast<int>(std::clamp<int64_t>(items, 1, at::get_num_threads()));
 #pragma omp parallel num_threads(threads)
   {
     Scratch scratch(a);
     // Dynamic: rows differ in length, so items differ in cost (those past a row's end in none).
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t pair = item / a.spans, row = pair / a.kv_heads, kv_head = pair % a.kv_heads;
+    for (int64_t order = 0; order < items; ++order) {
+      // The KV heads of a span one after another: an entry's heads share cache lines.
+      const int64_t row = order / (a.spans * a.kv_heads), span = order / a.kv_heads % a.spans;
+      const int64_t kv_head = order % a.kv_heads;
+      const int64_t item = (row * a.kv_heads + kv_head) * a.spans + span;
       const int64_t n = a.num_keys[a.row_slot[row]];
-      const int64_t begin = std::max((item % a.spans) * kSpan, first_attended(a, n));
-      const int64_t end = std::min((item % a.spans) * kSpan + kSpan, n);
+      const int64_t begin = std::max(span * kSpan, first_attended(a, n));
+      const int64_t end = std::min(span * kSpan + kSpan, n);
       if (begin < end) {
         attend_span(a, row, kv_head, begin, end, a.span_max + item * a.group, a.span_sum + item * a.group,
                     a.span_acc + item * a.group * dim, scratch);
