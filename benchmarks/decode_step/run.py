@@ -54,6 +54,7 @@ if TYPE_CHECKING:  # not imported here: `measure` imports the engine from the co
     from confkv.engine.llm_engine import LLMEngine
 
 ROOT = Path(__file__).resolve().parents[2]
+ROOFLINE_STEPS = 2  # decode steps profiled for the kernel's time when the compressor's share is not asked
 RESULTS = Path(__file__).resolve().parent / "results"
 RATE_ONLY = {"policy_options": {"dynamic": {"thresholds_decide": False}}}
 SETUPS = {  # label -> request (dynamic's thresholds decide under the rate's ceiling unless turned off)
@@ -121,7 +122,7 @@ def measure(code_root: Path, setups: list[str], args: argparse.Namespace) -> dic
     device, dtype = torch.device(args.device), args.dtype and getattr(torch, args.dtype)
     seqs = args.seqs
     model, tokenizer, future_value = load_with_predictor(args.model_path, device=device, dtype=dtype)
-    tokens = args.steps + args.compressor_profile_steps  # the profiled steps are not timed
+    tokens = args.steps + (args.compressor_profile_steps or ROOFLINE_STEPS)  # the profiled steps are not timed
     # A short request of each setup first, untimed: the kernels are built (a baseline's, in its own
     # folder, may not be yet) and loaded, and each code path run once, before anything is timed.
     with torch.inference_mode():
@@ -148,17 +149,31 @@ def measure(code_root: Path, setups: list[str], args: argparse.Namespace) -> dic
                 halfway = len(decoded[setup].durations) == args.steps // 2
                 if args.profile and halfway:
                     return {"python_share": python_share(engine, device)}
-                if args.compressor_profile_steps and halfway and setup not in shares:
-                    shares[setup] = compressor_share(engine, device, args.compressor_profile_steps)
-                    bar.update(seqs * args.compressor_profile_steps)
+                if halfway and setup not in shares:
+                    shares[setup] = step_profile(engine, device, args.compressor_profile_steps or ROOFLINE_STEPS)
+                    bar.update(seqs * (args.compressor_profile_steps or ROOFLINE_STEPS))
                 if engine.has_unfinished():
                     duration = advance(engine, bar, device)
                     if is_pure_decode(engine.last_step, seqs):
                         decoded[setup].record(engine, duration)
-    return {
-        setup: {**run.figures(), **({"compressor": shares[setup]} if setup in shares else {})}
-        for setup, run in decoded.items()
-    }
+    figures = {setup: {**run.figures(), "compressor": shares[setup]} for setup, run in decoded.items()}
+    return {"bandwidth_gbs": read_bandwidth(device), "setups": figures}
+
+
+def read_bandwidth(device: torch.device, mib: int = 1024, repeats: int = 5) -> float:
+    """The machine's memory bandwidth for reading, GB/s: a STREAM-like pass (a sum) over a buffer far
+    larger than any cache, at the threads set, median of `repeats`. Attention reads, it does not write."""
+    import time
+
+    import torch
+
+    buffer = torch.ones(mib * 2**20 // 4, device=device)
+    times = []
+    for _ in range(repeats + 1):  # the first pass faults the pages in
+        start = time.perf_counter()
+        buffer.sum().item()
+        times.append(time.perf_counter() - start)
+    return buffer.numel() * 4 / statistics.median(times[1:]) / 1e9
 
 
 def profiled(engine: LLMEngine, steps: int, device: torch.device) -> tuple[list, float]:
@@ -196,19 +211,25 @@ def python_share(engine: LLMEngine, device: torch.device, steps: int = 4) -> dic
     }
 
 
-def compressor_share(engine: LLMEngine, device: torch.device, steps: int) -> dict:
-    """Profile `steps` decode steps (a whole number of compression intervals, so that compressing
-    steps count as often as they come): the share of their wall time the compressor takes, the
-    engine's `conf_kv::compress` range (on CUDA its wall time holds the device work it waits for)."""
+def step_profile(engine: LLMEngine, device: torch.device, steps: int) -> dict:
+    """Profile `steps` decode steps (for the compressor's share, a whole number of compression intervals,
+    so that compressing steps count as often as they come): the wall time the compressor takes (the
+    engine's `conf_kv::compress` range; on CUDA its wall time holds the device work it waits for), the
+    decode-attention kernel's (its own range, confkv.kv.paged_attention.KERNEL_EVENT) and the KV held,
+    which attention reads once per step."""
     from confkv.engine.llm_engine import COMPRESS_EVENT
 
+    held = engine.compression.store.used_bytes  # before: the last of the steps may finish the sequences
     events, wall = profiled(engine, steps, device)
     compress = sum(e.cpu_time_total for e in events if e.key == COMPRESS_EVENT)
+    kernel = sum(e.cpu_time_total for e in events if e.key == "conf_kv::decode_attention")
     return {
         "steps": steps,
         "step_ms": wall / 1000 / steps,
         "compressor_ms": compress / 1000 / steps,
         "share": compress / wall,
+        "kernel_ms": kernel / 1000 / steps,
+        "kv_bytes": held,
     }
 
 
@@ -290,9 +311,11 @@ def main() -> None:
             subprocess.run(["git", "worktree", "add", "--detach", str(baseline), args.baseline], cwd=ROOT, check=True)
             trees = {f"{args.baseline} ({commit_of(args.baseline)})": baseline, "this tree": ROOT}
         try:
-            results = {}
+            results, bandwidth = {}, {}
             if args.setups:
-                results = {tree: run_tree(root, args.setups, args) for tree, root in tqdm(trees.items(), unit="tree")}
+                for tree, root in tqdm(trees.items(), unit="tree"):
+                    measured = run_tree(root, args.setups, args)
+                    results[tree], bandwidth[tree] = measured["setups"], measured["bandwidth_gbs"]
             profiles = {}
             if args.profile_seqs:
                 for setup in tqdm(SETUPS, desc="profiles"):
@@ -300,7 +323,13 @@ def main() -> None:
         finally:
             if args.baseline:
                 subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=ROOT, check=True)
-    data = {"commit": commit, "results": results, "profiles": profiles}
+    data = {
+        "commit": commit,
+        "results": results,
+        "bandwidth_gbs": bandwidth,
+        "compressor_profile_steps": args.compressor_profile_steps,
+        "profiles": profiles,
+    }
     save_report(args.out, "Decode step at the same batch", table(data, args), data, args, provenance)
 
 
@@ -322,8 +351,8 @@ def table(data: dict, args: argparse.Namespace) -> str:
             f"of {args.steps}-token runs' pure decode steps, the setups' steps taking turns in one process; {command}.",
             "",
             "| code | setup | median decode step | vs compression off | compressor (median / mean) | "
-            "KV held (median) | prefill |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+            "compressor's share (mean) | KV held (median) | prefill |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
     for tree, rows in data["results"].items():
         off = rows.get("compression off", {})
@@ -333,14 +362,13 @@ def table(data: dict, args: argparse.Namespace) -> str:
             mean = f" / {row['mean_compression_ms']:.1f}" if "mean_compression_ms" in row else ""  # older revisions
             kv = f"{row['median_kv_mib']:.0f} MiB" if "median_kv_mib" in row else "-"
             prefill = f"{row['prefill_s']:.1f} s" if "prefill_s" in row else "-"
-            lines.append(f"| {tree} | {setup} | {step:.0f} ms | {ratio} | {engine:.1f}{mean} ms | {kv} | {prefill} |")
-    means = {
-        (tree, setup): row
-        for tree, rows in data["results"].items()
-        for setup, row in rows.items()
-        if "compressor" in row
-    }
-    if means:
+            share = f"{100 * row['mean_compression_ms'] / row['mean_step_ms']:.1f}%" if mean else "-"
+            lines.append(
+                f"| {tree} | {setup} | {step:.0f} ms | {ratio} | {engine:.1f}{mean} ms | {share} | {kv} | {prefill} |"
+            )
+    lines += roofline(data)
+    means = {(tree, setup): row for tree, rows in data["results"].items() for setup, row in rows.items()}
+    if means and data["compressor_profile_steps"]:
         lines += [
             "",
             "Every decode step counted, and the compressor's share of the step from torch's profiler (its "
@@ -377,6 +405,33 @@ def table(data: dict, args: argparse.Namespace) -> str:
                 f"| {p['python_ms']:.1f} ms | {100 * p['share']:.1f}% |"
             )
     return "\n".join(lines).strip()
+
+
+def roofline(data: dict) -> list[str]:
+    """How far each setup's attention is from the memory's speed: the KV it reads per step, the kernel's
+    time, the bandwidth that makes, and the time reading it at the machine's measured bandwidth would take."""
+    lines = []
+    for tree, rows in data["results"].items():
+        bandwidth = data["bandwidth_gbs"][tree]
+        lines += [
+            "",
+            f"Roofline ({tree}): attention reads every held entry once per step; the machine reads "
+            f"{bandwidth:.1f} GB/s (a sum over 1 GiB at the same threads, median of 5). Kernel time from "
+            "torch's profiler over the steps profiled halfway:",
+            "",
+            "| setup | KV read per step | attention kernel per step | bandwidth reached | of the machine's | "
+            "kernel at the memory's speed |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for setup, row in rows.items():
+            p = row["compressor"]
+            reached = p["kv_bytes"] / (p["kernel_ms"] / 1000) / 1e9
+            floor = p["kv_bytes"] / (bandwidth * 1e9) * 1000
+            lines.append(
+                f"| {setup} | {p['kv_bytes'] / 2**20:.0f} MiB | {p['kernel_ms']:.1f} ms | {reached:.1f} GB/s | "
+                f"{100 * reached / bandwidth:.0f}% | {floor:.1f} ms |"
+            )
+    return lines
 
 
 if __name__ == "__main__":
