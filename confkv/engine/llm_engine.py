@@ -421,6 +421,8 @@ class LLMEngine:
 
     def _check_ranks(self) -> None:
         """Stop the engine if the ranks' accounting differs after a step: they would decide apart."""
+        if self.ranks.size == 1:  # NOTE: one rank agrees with itself; counting entries costs a pass over the store
+            return
         running = self.scheduler.running
         held = (len(running), len(self.scheduler.waiting), sum(len(s.token_ids) for s in running))
         if not self.ranks.agree(*held, self.store.used_bytes, *self.store.entry_counts().values()):
