@@ -61,7 +61,7 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
 TIERS = {
     "unit": (
         "test_detokenizer", "test_kv_store", "test_loader", "test_lru", "test_paged_attention", "test_readme_figures",
-        "test_sampler", "test_scheduler", "test_schemas", "test_settings", "test_triton_kernels",
+        "test_sampler", "test_scheduler", "test_schemas", "test_settings", "test_tiers_layers", "test_triton_kernels",
     ),
     "engine": (
         "test_async_compression", "test_calibration", "test_compression", "test_decode_step_benchmark", "test_engine",

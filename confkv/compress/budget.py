@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from confkv.compress.state import SequenceState
-from confkv.compress.tiers import pyramid_weights, threshold_bytes
-from confkv.kv.kv_store import KVStore, LayerKV
+from confkv.compress.tiers import layers_threshold_bytes, pyramid_weights
+from confkv.kv.kv_store import KVStore
 
 
 class Budget(NamedTuple):
@@ -32,14 +32,15 @@ class Budget(NamedTuple):
 
 
 class Judged(NamedTuple):
-    """One layer of a sequence as a compression judges it."""
+    """The layers of a sequence a compression judges, a row [layers, n] each, padded past its entries."""
 
-    layer: int
-    kv: LayerKV
-    protected: torch.Tensor  # [n] sinks and the recent window
-    scores: torch.Tensor  # [n]
-    retention: torch.Tensor | None  # [n] retention confidence, where the policy gives one
-    judged: torch.Tensor  # [n] entries an earlier compression kept
+    layers: list[int]
+    num_key_only: torch.Tensor  # [layers]
+    held: torch.Tensor  # the row's entries (its first): the rest is padding
+    protected: torch.Tensor  # sinks and the recent window
+    scores: torch.Tensor
+    retention: torch.Tensor | None  # retention confidence, where the policy gives one
+    judged: torch.Tensor  # entries an earlier compression kept
 
 
 def plan_budget(store: KVStore, seq_id: int, num_tokens: int, state: SequenceState, rate: float) -> Budget:
@@ -67,7 +68,7 @@ def plan_budget(store: KVStore, seq_id: int, num_tokens: int, state: SequenceSta
     return Budget(ceiling, per_layer, *sizes, rounding, judge, rescore)
 
 
-def judge(judged: list[Judged], budget: Budget, state: SequenceState, num_tokens: int) -> float:
+def judge(judged: Judged, budget: Budget, state: SequenceState, num_tokens: int) -> float:
     """Bytes each layer may hold, as the thresholds judge the request: its share of what they keep
     over all its layers (under the rate's ceiling), so memory follows the content of the request
     while every layer holds as much. Remembered per token for the compressions until the next
@@ -76,24 +77,23 @@ def judge(judged: list[Judged], budget: Budget, state: SequenceState, num_tokens
     The thresholds judge the request, not each layer: letting them set each layer's bytes (few
     where attention is concentrated, many where it is diffuse) lost fidelity at equal bytes
     against a fixed rate (see docs/design.md)."""
-    if any(j.retention is None for j in judged):
+    if judged.retention is None:
         state.content_bytes_per_token = None
         return budget.ceiling
-    held = sum(
-        threshold_bytes(
-            j.protected,
-            j.kv.num_key_only,
-            budget.full_bytes,
-            budget.key_only_bytes,
-            state.policy.uses_tiers,
-            j.retention,
-            state.params.thresholds,
-            j.judged,
-        )
-        for j in judged
+    held = layers_threshold_bytes(
+        judged.protected,
+        judged.num_key_only,
+        budget.full_bytes,
+        budget.key_only_bytes,
+        state.policy.uses_tiers,
+        judged.retention,
+        judged.judged,
+        judged.held,
+        state.params.thresholds,
     )
-    state.content_bytes_per_token = held / len(judged) / num_tokens
-    return min(budget.ceiling, held / len(judged))
+    per_layer = int(held.sum()) / len(judged.layers)
+    state.content_bytes_per_token = per_layer / num_tokens
+    return min(budget.ceiling, per_layer)
 
 
 def layer_bytes(num_layers: int, state: SequenceState, per_layer: float) -> list[float]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -39,7 +40,7 @@ from confkv.compress.state import (
     SequenceState,
     TrackedSequence,
 )
-from confkv.compress.tiers import adaptive_weights, plan_tiers
+from confkv.compress.tiers import adaptive_weights, plan_layers
 from confkv.kv.block_tables import Keep
 from confkv.kv.kv_store import KVBudgetExceeded, KVStore
 
@@ -441,63 +442,113 @@ class Compressor:
             job = self._prediction_job(seq_id, num_tokens, state, layers)
             predicted = self.future_value.predict(store, [job])[seq_id]
         plan.predicted = predicted
-        confidence = self._token_confidence(state, num_tokens)
         calibration = self._calibration(state) if budget.judge else None
-        judged = []
-        for layer in layers:
-            kv = store.layer(seq_id, layer)
-            n = kv.length
-            positions = kv.positions[:n]
-            protected = (positions < params.sink_tokens) | (positions > num_tokens - 1 - params.recent_window)
-            entries = LayerEntries(
-                keys=store.view(seq_id, layer).keys if state.policy.uses_keys else None,
-                positions=positions,
-                attention=kv.attention[:n],
-                token_confidence=confidence[positions],
-                predicted=predicted[layer].value if predicted is not None else None,
-                calibration=calibration,
-                position=num_tokens - 1,
-                layer=layer,
-                seed=params.seed,
-            )
-            scores = state.policy.score(entries)
-            if state.spans is not None:  # a span is ranked as its best entry: kept whole or dropped whole
-                scores = pool_over_spans(scores, state.spans[positions])
-            retention = state.policy.retention(entries) if budget.judge else None
-            judged.append(Judged(layer, kv, protected, scores, retention, positions < state.judged_until))
-            if state.history is not None:
-                state.history.scored(layer, positions, scores, retention)
+        entries = self._entries(seq_id, num_tokens, state, layers, predicted, calibration)
+        scores = self._judge_layers(seq_id, state, entries, state.policy.score)
+        held, positions = entries.held, entries.positions
+        if state.spans is not None:  # a span is ranked as its best entry: kept whole or dropped whole
+            scores = pool_over_spans(scores, state.spans[positions], held)
+        retention = self._judge_layers(seq_id, state, entries, state.policy.retention) if budget.judge else None
+        protected = (positions < params.sink_tokens) | (positions > num_tokens - 1 - params.recent_window)
+        slot = store.tables.slot_of[seq_id]
+        num_key_only = torch.as_tensor(store.tables.key_only[layers, slot], device=store.device)
+        judged = Judged(layers, num_key_only, held, protected, scores, retention, positions < state.judged_until)
+        if state.history is not None:
+            for i, layer in enumerate(layers):
+                n = int(held[i].sum())
+                judged_retention = None if retention is None else retention[i, :n]
+                state.history.scored(layer, positions[i, :n], scores[i, :n], judged_retention)
         per_layer = budget.per_layer
         if budget.judge:
             per_layer = judge(judged, budget, state, num_tokens)
+        candidates = held & ~protected
         if budget.rescore and state.params.layer_budget == "adaptive":
             weights = torch.ones(store.num_layers)  # a sliding-window layer's share goes unused: it is not compacted
-            weights[[j.layer for j in judged]] = adaptive_weights([j.scores[~j.protected] for j in judged])
+            weights[layers] = adaptive_weights([s[c] for s, c in zip(scores, candidates, strict=True)])
             state.layer_weights = weights
         shares = layer_bytes(store.num_layers, state, per_layer)
         over = layers_over(store, seq_id, shares, budget.rounding)
-        full_bytes, key_only_bytes = budget.full_bytes, budget.key_only_bytes
-        for layer, kv, protected, scores, _, _ in judged:
-            if not over[layer]:
+        rows = [i for i, layer in enumerate(layers) if over[layer]]
+        if len(rows) < len(layers):
+            at = torch.tensor(rows, dtype=torch.long, device=store.device)
+            held, protected, scores, num_key_only = (t[at] for t in (held, protected, scores, num_key_only))
+        tiers = plan_layers(
+            scores,
+            protected,
+            num_key_only,
+            [shares[layers[i]] for i in rows],
+            budget.full_bytes,
+            budget.key_only_bytes,
+            state.policy.uses_tiers,
+            held=held,
+            value_errors=budget.value_errors,
+        )
+        for i, key_only, layer_tiers in zip(rows, num_key_only.tolist(), tiers, strict=True):
+            if layer_tiers.dropped.numel() == 0 and layer_tiers.keep_key_only.numel() == key_only:
                 continue
-            tiers = plan_tiers(
-                scores,
-                protected,
-                kv.num_key_only,
-                shares[layer],
-                full_bytes,
-                key_only_bytes,
-                state.policy.uses_tiers,
-                value_errors=budget.value_errors,
-            )
-            if tiers.dropped.numel() == 0 and tiers.keep_key_only.numel() == kv.num_key_only:
-                continue
-            if self._audits(state) and tiers.dropped.numel():  # the keys, before compaction lets them go
-                dropped = store.view(seq_id, layer).keys.index_select(1, tiers.dropped)
-                plan.dropped[layer] = (tiers.dropped, dropped)
-            plan.keep[layer] = Keep(full=tiers.keep_full, key_only=tiers.keep_key_only)
+            layer = layers[i]
+            if self._audits(state) and layer_tiers.dropped.numel():  # the keys, before compaction lets them go
+                dropped = store.view(seq_id, layer).keys.index_select(1, layer_tiers.dropped)
+                plan.dropped[layer] = (layer_tiers.dropped, dropped)
+            plan.keep[layer] = Keep(full=layer_tiers.keep_full, key_only=layer_tiers.keep_key_only)
         state.judged_until = num_tokens
         return plan
+
+    def _entries(
+        self,
+        seq_id: int,
+        num_tokens: int,
+        state: SequenceState,
+        layers: list[int],
+        predicted: dict[int, Forecast] | None,
+        calibration: Calibration | None,
+    ) -> LayerEntries:
+        """The entries of these layers of a sequence, a row each, padded to the longest: read from the
+        store's rows [layers, slots, capacity] at once rather than layer by layer."""
+        store = self.store
+        slot = store.tables.slot_of[seq_id]
+        lengths = torch.as_tensor(store.tables.lengths[layers, slot], device=store.device)
+        width = int(lengths.max())
+        held = torch.arange(width, device=store.device) < lengths.view(-1, 1)
+        at = torch.tensor(layers, device=store.device)
+        rows = store.stats.rows
+        # Past its entries a row is scratch: position 0 and no attention there, and nothing uses them.
+        positions = rows["positions"][at, slot, :width].masked_fill(~held, 0)
+        value = None
+        if predicted is not None:
+            value = torch.nn.utils.rnn.pad_sequence([predicted[layer].value for layer in layers], batch_first=True)
+        return LayerEntries(
+            keys=None,
+            positions=positions,
+            attention=rows["attention"][at, slot, :width].masked_fill(~held, 0.0),
+            token_confidence=self._token_confidence(state, num_tokens)[positions],
+            position=num_tokens - 1,
+            layer=at,
+            seed=state.params.seed,
+            predicted=value,
+            calibration=calibration,
+            held=held,
+        )
+
+    def _judge_layers(
+        self,
+        seq_id: int,
+        state: SequenceState,
+        entries: LayerEntries,
+        judgement: Callable[[LayerEntries], torch.Tensor | None],
+    ) -> torch.Tensor | None:
+        """A policy's `score` or `retention` of every row of `entries`: in one call where the policy
+        takes several layers, else layer by layer (None if any layer's is)."""
+        policy = state.policy
+        if policy.scores_layers and not policy.uses_keys:
+            return judgement(entries)
+        judged = []
+        for i, layer in enumerate(entries.layer.tolist()):
+            keys = self.store.view(seq_id, layer).keys if policy.uses_keys else None
+            judged.append(judgement(entries.row(i, keys)))
+        if any(j is None for j in judged):
+            return None
+        return torch.nn.utils.rnn.pad_sequence(judged, batch_first=True)
 
     def _budget(self, seq_id: int, num_tokens: int, state: SequenceState) -> Budget:
         return plan_budget(self.store, seq_id, num_tokens, state, self.target_rate(state))

@@ -31,17 +31,43 @@ if TYPE_CHECKING:
 
 @dataclass
 class LayerEntries:
-    """What a policy may look at for the entries one layer of one sequence holds."""
+    """What a policy may look at for the entries one layer of one sequence holds; for a policy that
+    `scores_layers`, several layers at once: a row [layers, n] each, padded past its entries (`held`)."""
 
     keys: torch.Tensor | None  # [kv_heads, n, head_dim], for policies that use keys
     positions: torch.Tensor  # [n]
     attention: torch.Tensor  # [n] observed attention, accumulated by the policy's rule
     token_confidence: torch.Tensor  # [n] top-token probability when the entry's token was sampled (1 for prompt)
     position: int  # position of the newest token
-    layer: int
+    layer: int | torch.Tensor  # the layer, or [layers] those of the rows
     seed: int = 0
     predicted: torch.Tensor | None = None  # [n] the value predictor's future attention, when it ran
     calibration: Calibration | None = None  # relative value -> P(needed), for the value below, when fitted
+    held: torch.Tensor | None = None  # [layers, n] the entries a padded row holds (its first); None: all
+
+    def text_order(self) -> torch.Tensor:
+        """[..., n] the entries in position order, row by row (a padded row's tail last): what pooling
+        over neighbours runs in."""
+        positions = self.positions
+        if self.held is not None:
+            positions = positions.masked_fill(~self.held, torch.iinfo(positions.dtype).max)
+        return torch.argsort(positions, dim=-1)
+
+    def row(self, i: int, keys: torch.Tensor | None = None) -> LayerEntries:
+        """One layer of several (row `i`, its held entries), as a policy that scores one layer sees it."""
+        n = int(self.held[i].sum())
+        predicted = self.predicted[i, :n] if self.predicted is not None else None
+        return LayerEntries(
+            keys,
+            self.positions[i, :n],
+            self.attention[i, :n],
+            self.token_confidence[i, :n],
+            self.position,
+            int(self.layer[i]),
+            self.seed,
+            predicted,
+            self.calibration,
+        )
 
     @property
     def value(self) -> torch.Tensor:
@@ -75,6 +101,10 @@ class ScorePolicy:
     uses_keys: ClassVar[bool] = False  # does it read the keys (dequantised at quantised storage)?
     uses_predictor: ClassVar[bool] = False  # does it score by the value predictor's forecast, when one is loaded?
     thresholds_decide: ClassVar[bool] = False  # does it give a retention confidence (`retention`)?
+    # Do score() and retention() take several layers at once (`LayerEntries.held`, no keys)? One call
+    # for every layer saves the per-layer calls, which cost most of a judgment; a policy that
+    # does not is given one layer at a time.
+    scores_layers: ClassVar[bool] = False
     observation_window: ClassVar[int | None] = None  # prompt queries observed at the end of prefill (None: config)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -104,6 +134,7 @@ class StreamingLLM(ScorePolicy):
 
     name = "streaming_llm"
     uses_attention = False
+    scores_layers = True
 
     def score(self, entries: LayerEntries) -> torch.Tensor:
         return entries.positions.float()
@@ -114,6 +145,7 @@ class H2O(ScorePolicy):
     """Heavy hitters: attention accumulated over every observation."""
 
     name = "h2o"
+    scores_layers = True
 
     def score(self, entries: LayerEntries) -> torch.Tensor:
         return entries.attention
@@ -125,6 +157,7 @@ class TOVA(ScorePolicy):
 
     name = "tova"
     observation_window = 1
+    scores_layers = True
 
     def accumulate(self, previous: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
         return observed
@@ -138,13 +171,14 @@ class SnapKV(ScorePolicy):
     """Attention of the latest observation window, pooled over neighbouring positions."""
 
     name = "snapkv"
+    scores_layers = True
     kernel_size: Kernel = 5
 
     def accumulate(self, previous: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
         return observed
 
     def score(self, entries: LayerEntries) -> torch.Tensor:
-        return _pool(entries.attention, entries.positions, self.kernel_size, "avg")
+        return _pool(entries.attention, entries, self.kernel_size, "avg")
 
 
 @dataclass
@@ -191,6 +225,7 @@ class Dynamic(ScorePolicy):
     name = "dynamic"
     uses_tiers = True
     uses_predictor = True
+    scores_layers = True
     thresholds_decide: Annotated[
         bool, Option("its retention confidence and the thresholds decide the bytes held; false: the rate alone")
     ] = True
@@ -227,13 +262,13 @@ class Dynamic(ScorePolicy):
         calibration = entries.calibration
         if not self.thresholds_decide or calibration is None:
             return None
-        average = calibration.average(entries.value)
-        if average <= 0.0:
+        average = calibration.average(entries.value, entries.held)
+        if (average <= 0.0).any():
             return None  # nothing observed yet: the rate decides
         return calibration(self._pooled(entries, self.retention_kernel, "max") / average)
 
     def _pooled(self, entries: LayerEntries, kernel: int, kind: Literal["avg", "max"]) -> torch.Tensor:
-        return _pool(entries.value, entries.positions, kernel, kind) * self.doubt(entries.token_confidence)
+        return _pool(entries.value, entries, kernel, kind) * self.doubt(entries.token_confidence)
 
     def target_rate(self, rate: float, recent_confidence: list[float]) -> float:
         """Confident (mean top-token probability above 0.5), remove up to `confident_extra_rate` of
@@ -244,15 +279,22 @@ class Dynamic(ScorePolicy):
         return rate + self.confident_extra_rate * (1.0 - rate) * confident
 
 
-def _pool(x: torch.Tensor, positions: torch.Tensor, kernel: int, kind: Literal["avg", "max"]) -> torch.Tensor:
-    """`x` pooled over each entry's `kernel` nearest held neighbours in the text. Entries are stored in
-    key order (KEY_ONLY first after a compression), so the pool runs in position order."""
-    if x.numel() < kernel:
+def _pool(x: torch.Tensor, entries: LayerEntries, kernel: int, kind: Literal["avg", "max"]) -> torch.Tensor:
+    """`x` [..., n] pooled over each entry's `kernel` nearest held neighbours in the text, row by row
+    (`entries.held`: the entries of padded rows). Entries are stored in key order (KEY_ONLY first
+    after a compression), so the pool runs in position order; a row shorter than the kernel is not pooled."""
+    n, held = x.shape[-1], entries.held
+    if n < kernel:
         return x
-    order = torch.argsort(positions)
+    if held is not None:  # what lies past a row's entries is what lies past its end: nothing
+        x = x.masked_fill(~held, 0.0 if kind == "avg" else float("-inf"))
+    order = entries.text_order()
     pool = F.max_pool1d if kind == "max" else F.avg_pool1d
-    pooled = pool(x[order].view(1, 1, -1), kernel, stride=1, padding=kernel // 2).view(-1)[: x.numel()]
-    return torch.empty_like(pooled).index_copy_(0, order, pooled)
+    pooled = pool(x.gather(-1, order).reshape(-1, 1, n), kernel, stride=1, padding=kernel // 2)
+    pooled = torch.empty_like(x).scatter_(-1, order, pooled[..., :n].reshape(x.shape))
+    if held is not None:
+        pooled = torch.where(held.sum(-1, keepdim=True) < kernel, x, pooled)
+    return pooled
 
 
 def make_policy(name: str, options: dict[str, Any] | None = None) -> ScorePolicy:

@@ -57,11 +57,16 @@ def span_ids(
     return torch.cumsum(begins | (offset % LONGEST_SPAN == 0), 0) - 1
 
 
-def pool_over_spans(scores: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+def pool_over_spans(scores: torch.Tensor, spans: torch.Tensor, held: torch.Tensor | None = None) -> torch.Tensor:
     """Each entry's score raised to the best score among the entries of its span (`spans`: the span
-    of each entry, aligned with `scores`)."""
+    of each entry, aligned with `scores` [..., n]), row by row (`held`: the entries of padded rows,
+    the only ones that count)."""
     if scores.numel() == 0:
         return scores
-    _, inverse = torch.unique(spans, return_inverse=True)
-    best = torch.full((int(inverse.max()) + 1,), float("-inf"), dtype=scores.dtype, device=scores.device)
-    return best.scatter_reduce(0, inverse, scores, "amax")[inverse]
+    if held is not None:
+        scores = scores.masked_fill(~held, float("-inf"))
+    count = int(spans.max()) + 1  # spans are numbered from 0: a row's span is its slot among `count`
+    rows = torch.arange(scores.numel() // scores.shape[-1], device=scores.device).view(-1, 1) * count
+    slots = (spans.reshape(-1, scores.shape[-1]) + rows).view(-1)
+    best = torch.full((rows.numel() * count,), float("-inf"), dtype=scores.dtype, device=scores.device)
+    return best.scatter_reduce(0, slots, scores.reshape(-1), "amax")[slots].view(scores.shape)

@@ -15,6 +15,7 @@ frequency against stated probability on held-out traces, and the expected calibr
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
@@ -37,12 +38,21 @@ class Calibration:
     knots: tuple[float, ...]  # relative values, increasing
     probabilities: tuple[float, ...]  # P(needed) at each knot, non-decreasing
 
-    def average(self, value: torch.Tensor) -> float:
-        """What an average held entry's value is: a forecast is a share of the window's attention mass,
-        decayed attention is compared with the held entries' own mean."""
-        if self.source == "forecast":
-            return self.prediction_window / max(value.numel(), 1)
-        return float(value.mean()) if value.numel() else 0.0
+    def average(self, value: torch.Tensor, held: torch.Tensor | None = None) -> torch.Tensor:
+        """What an average held entry's value is, [..., 1] per row of `value` [..., n] (`held`: the
+        entries of padded rows): a forecast is a share of the window's attention mass, decayed
+        attention is compared with the held entries' own mean."""
+        held = torch.ones_like(value, dtype=torch.bool) if held is None else held
+        if self.source == "forecast":  # divided as a float is, then rounded to the values' precision
+            count = held.sum(-1, keepdim=True).clamp_min(1).double()
+            return (self.prediction_window / count).to(value.dtype)
+        # Row by row: a mean over a padded row would add in another order, and round differently.
+        rows = value.shape[:-1]
+        means = [
+            row[mask].mean() if mask.any() else row.new_zeros(())
+            for row, mask in zip(value.view(math.prod(rows), -1), held.view(math.prod(rows), -1), strict=True)
+        ]
+        return torch.stack(means).view(*rows, 1)
 
     def __call__(self, relative: torch.Tensor) -> torch.Tensor:
         """P(needed) for entries whose value is `relative` x the average, interpolated between knots."""
