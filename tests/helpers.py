@@ -110,17 +110,16 @@ def check_references(store: KVStore, parked: list[ParkedKV] = ()) -> None:
                 expected[name].update(blocks.tolist())
     used, lent = 0, []
     for name, pool in store.allocator.pools.items():
-        assert pool.refs == dict(expected[name]), name
+        assert pool.held() == dict(expected[name]), name
         # Every block inside the pages a pool holds is free or in use, never both; none lies outside them.
         inside = {b for page in pool.pages for b in store.allocator.arena.blocks_in(page, pool.block_bytes)}
-        assert set(pool.free_blocks).isdisjoint(pool.refs) and set(pool.free_blocks) | set(pool.refs) == inside
+        held = pool.held()
+        assert set(pool.free_blocks).isdisjoint(held) and set(pool.free_blocks) | set(held) == inside
         in_use = {
-            page
-            for page in pool.pages
-            if set(store.allocator.arena.blocks_in(page, pool.block_bytes)) & pool.refs.keys()
+            page for page in pool.pages if set(store.allocator.arena.blocks_in(page, pool.block_bytes)) & held.keys()
         }
         assert pool.empty_pages == len(pool.pages) - len(in_use)
-        used += len(pool.refs) * pool.block_bytes
+        used += pool.used_blocks * pool.block_bytes
         lent += pool.pages
     assert (
         len(lent) == len(set(lent)) and len(lent) + store.allocator.arena.free_pages == store.allocator.arena.num_pages

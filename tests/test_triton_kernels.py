@@ -235,7 +235,7 @@ def test_compaction_and_sharing_through_the_kernels_match_the_torch_path() -> No
     reference, kernel = run(False), run(True)
     assert all(pool._triton is triton_blocks for pool in kernel.allocator.pools.values())
     for name, pool in reference.allocator.pools.items():
-        held = sorted(pool.refs)  # the arena's other bytes are whatever was there
-        assert kernel.allocator.pools[name].refs == pool.refs and same_bytes(
+        held = sorted(pool.held())  # the arena's other bytes are whatever was there
+        assert kernel.allocator.pools[name].held() == pool.held() and same_bytes(
             kernel.allocator.pools[name].data[held], pool.data[held]
         )

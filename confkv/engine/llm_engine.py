@@ -242,7 +242,7 @@ class LLMEngine:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         self.compression.take_failures()
-        held = {name: len(pool.refs) for name, pool in self.store.allocator.pools.items() if pool.refs}
+        held = {name: pool.used_blocks for name, pool in self.store.allocator.pools.items() if pool.used_blocks}
         if self.store.used_bytes or held or self.compression.states:
             raise RuntimeError(
                 f"after ending every request {self.store.used_bytes} bytes of KV are still counted, blocks still "

@@ -31,6 +31,7 @@ import math
 from statistics import NormalDist
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from confkv.kv.arena import Arena, ArenaFull
@@ -129,21 +130,17 @@ class BlockPool:
         self._triton = _triton_blocks(self.device)
         self._kernel = _cpu_kernel(self.device)
         self.data = arena.grid((block_size, kv_heads, codec.row_width), codec.storage_dtype)
+        self.block_bytes = kv_heads * block_size * codec.vector_bytes
         # One row per entry, as words: what writes and reads index.
         self._rows = _rows(self.data)
-        self.refs: dict[int, int] = {}  # blocks in use -> their references
+        # NOTE: arrays over the grid, updated a table at a time: a compaction gives back and takes
+        # thousands of blocks, and a loop over them in Python cost more than its copies.
+        self.refs = np.zeros(self.data.shape[0], dtype=np.int32)  # per block: its references (0: not in use)
+        self.used_blocks = 0
         self._free: list[int] = []  # a heap of the free blocks inside the pages held: the lowest first
         self._pages: dict[int, int] = {}  # pages held -> their blocks in use
         self.empty_pages = 0  # pages held with no block in use
         arena.pools.append(self)
-
-    @property
-    def block_bytes(self) -> int:
-        return self.kv_heads * self.block_size * self.codec.vector_bytes
-
-    @property
-    def used_blocks(self) -> int:
-        return len(self.refs)
 
     @property
     def pages(self) -> list[int]:
@@ -159,6 +156,11 @@ class BlockPool:
     def capacity_bytes(self) -> int:
         """The arena's memory this pool holds: its pages."""
         return len(self._pages) * self.arena.page_bytes
+
+    def held(self) -> dict[int, int]:
+        """The blocks in use and their references."""
+        blocks = np.flatnonzero(self.refs)
+        return dict(zip(blocks.tolist(), self.refs[blocks].tolist(), strict=True))
 
     def tensors(self) -> PoolTensors:
         return PoolTensors(self.data, self.codec.name, self.codec.head_dim)
@@ -183,30 +185,33 @@ class BlockPool:
             for block in self.arena.blocks_in(page, self.block_bytes):
                 heapq.heappush(self._free, block)
         ids = [heapq.heappop(self._free) for _ in range(n)]
-        for b in ids:
-            self.refs[b] = 1
-            page = self._page(b)
-            self.empty_pages -= self._pages[page] == 0
-            self._pages[page] += 1
+        blocks = np.array(ids, dtype=np.int64)
+        self.refs[blocks] = 1
+        self.used_blocks += n
+        self._count_in_pages(blocks, 1)
         return ids
 
     def ref(self, ids: list[int]) -> None:
-        for b in ids:
-            self.refs[b] += 1
+        np.add.at(self.refs, np.asarray(ids, dtype=np.int64), 1)
 
     def unref(self, ids: list[int]) -> int:
         """Drop one reference to each block; return how many blocks became free."""
-        freed = 0
-        for b in ids:
-            self.refs[b] -= 1
-            if self.refs[b] == 0:
-                del self.refs[b]
-                heapq.heappush(self._free, b)
-                page = self._page(b)
-                self._pages[page] -= 1
-                self.empty_pages += self._pages[page] == 0
-                freed += 1
-        return freed
+        blocks = np.asarray(ids, dtype=np.int64)
+        np.subtract.at(self.refs, blocks, 1)
+        freed = np.unique(blocks[self.refs[blocks] == 0])
+        self.used_blocks -= len(freed)
+        for b in freed.tolist():
+            heapq.heappush(self._free, b)
+        self._count_in_pages(freed, -1)
+        return len(freed)
+
+    def _count_in_pages(self, blocks: np.ndarray, sign: int) -> None:
+        """Count blocks that came into use (sign 1) or out of it (-1) in their pages' tallies."""
+        pages, counts = np.unique(blocks * self.block_bytes // self.arena.page_bytes, return_counts=True)
+        for page, count in zip(pages.tolist(), counts.tolist(), strict=True):
+            before = self._pages[page]
+            self._pages[page] = after = before + sign * count
+            self.empty_pages += (after == 0) - (before == 0)
 
     def give_back_empty_pages(self) -> None:
         """Return to the arena the pages none of whose blocks is in use."""

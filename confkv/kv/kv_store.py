@@ -454,8 +454,7 @@ class KVStore:
         freed = 0
         for pool, tables in held.values():
             blocks, counts = np.unique(np.concatenate(tables), return_counts=True)
-            refs = np.fromiter((pool.refs[b] for b in blocks.tolist()), dtype=np.int64, count=len(blocks))
-            freed += int((refs == counts).sum()) * pool.block_bytes
+            freed += int((pool.refs[blocks] == counts).sum()) * pool.block_bytes
         return freed + sum(kv.bookkeeping_bytes for kv in parked)
 
     def discard(self, parked: ParkedKV) -> int:
@@ -561,14 +560,14 @@ class KVStore:
         encoded = [pools[kind].read_encoded(rows_tensor(reads[kind], self.device)) for kind in range(per_channel, 3)]
         if per_channel:
             encoded.insert(KEYS, (pools[KEYS].tensors().read(rows_tensor(reads[KEYS], self.device), self.dtype), None))
-        key_only_pool = pools[KEY_ONLY]
+        demoted_values, from_kept = None, None
         if any(rows.size for rows in demoted):
-            values = pools[VALUES].tensors().read(rows_tensor(demoted, self.device), torch.float32)
-            codes, params = key_only_pool.codec.encode(values.transpose(0, 1))
+            # [entries, kv_heads, head_dim], quantised as they are written (the pool's write kernel).
+            demoted_values = pools[VALUES].tensors().read(rows_tensor(demoted, self.device), torch.float32)
+            demoted_values = demoted_values.transpose(0, 1).contiguous()
             # Each layer's KEY_ONLY table: the entries it kept, then those it demoted.
-            merged = interleave([len(rows) for rows in reads[KEY_ONLY]], [len(rows) for rows in demoted])
-            (old_codes, old_params), index = encoded[KEY_ONLY], as_tensor(merged, self.device)
-            encoded[KEY_ONLY] = (torch.cat((old_codes, codes))[index], torch.cat((old_params, params))[index])
+            kept = [len(rows) for rows in reads[KEY_ONLY]]
+            from_kept = interleave(kept, [len(rows) for rows in demoted]) < sum(kept)
         if charge:
             fresh = sum(
                 blocks_for(n, bs) * pools[kind].block_bytes for lay in layouts for kind, (_, n) in enumerate(lay)
@@ -600,6 +599,10 @@ class KVStore:
             keys = encoded.pop(KEYS)[0]  # [kv_heads, entries, head_dim]
             counts = [layout[KEYS][1] for layout in layouts]
             self.channel_keys.write_fresh(pools[KEYS], slot, layers, fresh_keys, counts, keys)
+        if demoted_values is not None:
+            rows = np.concatenate(targets[KEY_ONLY])
+            pools[KEY_ONLY].write(as_tensor(rows[~from_kept], self.device), demoted_values)
+            targets[KEY_ONLY] = [rows[from_kept]]
         for kind, (codes, params) in enumerate(encoded, start=per_channel):
             if len(codes):
                 pools[kind].write_encoded(rows_tensor(targets[kind], self.device), codes, params)
@@ -614,6 +617,6 @@ class KVStore:
         for layer, layout in zip(layers, layouts, strict=True):
             for kind, (shared, n) in enumerate(layout):
                 let_go = self.tables.ids[kind, layer, slot, len(shared) : self.tables.num_blocks[kind, layer, slot]]
-                freed = sum(1 for b in let_go.tolist() if pools[kind].refs[b] == 1)
+                freed = int((pools[kind].refs[let_go] == 1).sum())
                 blocks.append((pools[kind], blocks_for(n, self.block_size) - freed))
         return self.allocator.arena_fits(blocks)
