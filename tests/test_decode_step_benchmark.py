@@ -104,3 +104,12 @@ def test_stopping_ruler_stops_its_server_and_lm_eval(tmp_path, default_path, whe
         assert not (tmp_path / "ruler.json").exists()
     finally:
         _kill_all(parent, started)
+
+
+def test_the_roofline_sets_each_setups_kernel_against_the_machines_bandwidth():
+    run = __import__("runpy").run_path(str(ROOT / "benchmarks/decode_step/run.py"), run_name="measured")
+    profile = {"kernel_ms": 50.0, "kv_bytes": 10**9, "compressor_ms": 0.0, "share": 0.0, "step_ms": 1.0, "steps": 2}
+    data = {"results": {"this tree": {"int8, rate 0.6": {"compressor": profile}}}, "bandwidth_gbs": {"this tree": 40.0}}
+    (row,) = [line for line in run["roofline"](data) if line.startswith("| int8")]
+    # 1 GB in 50 ms is 20 GB/s, half of 40; at 40 GB/s it would take 25 ms.
+    assert row == "| int8, rate 0.6 | 954 MiB | 50.0 ms | 20.0 GB/s | 50% | 25.0 ms |"
