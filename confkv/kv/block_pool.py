@@ -275,7 +275,7 @@ class BlockPool:
 
 def _triton_blocks(device: torch.device) -> ModuleType | None:
     """The Triton block kernels when they serve `device`, else None (the torch path)."""
-    # Imported here: `import compression` reaches this module, and `python -m confkv.kv.kernels` must
+    # Imported here: `import confkv` reaches this module, and `python -m confkv.kv.kernels` must
     # not find its own module already imported; triton is imported only where it serves.
     from confkv.kv.kernels import triton_enabled
 

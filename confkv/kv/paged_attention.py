@@ -191,7 +191,7 @@ def kernel_arguments(batch: DecodeBatch) -> tuple:
 def decode_attention(batch: DecodeBatch) -> DecodeResult:
     """Decode attention for one layer: the Triton kernel on CUDA, the C++ kernel on CPU when it is built,
     else the reference."""
-    # Imported here: `import compression` reaches this module, and `python -m confkv.kv.kernels` must
+    # Imported here: `import confkv` reaches this module, and `python -m confkv.kv.kernels` must
     # not find its own module already imported.
     from confkv.kv.kernels import load_kernel, triton_enabled
 
