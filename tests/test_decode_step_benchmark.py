@@ -113,3 +113,15 @@ def test_the_roofline_sets_each_setups_kernel_against_the_machines_bandwidth():
     (row,) = [line for line in run["roofline"](data) if line.startswith("| int8")]
     # 1 GB in 50 ms is 20 GB/s, half of 40; at 40 GB/s it would take 25 ms.
     assert row == "| int8, rate 0.6 | 954 MiB | 50.0 ms | 20.0 GB/s | 50% | 25.0 ms |"
+
+
+def test_the_kernel_benchmark_times_both_bodies_of_every_format(tmp_path):
+    out = tmp_path / "decode_kernel"
+    command = [sys.executable, "benchmarks/decode_kernel/run.py", "--rows", "2", "--entries", "40", "--layers", "2"]
+    subprocess.run([*command, "--repeats", "1", "--out", str(out)], cwd=ROOT, check=True, capture_output=True)
+    formats = __import__("json").loads(out.with_suffix(".json").read_text())["formats"]
+    assert set(formats) == {"float32", "float16", "bfloat16", "int8", "int4", "kivi4"}
+    for row in formats.values():
+        assert row["vector"] > 0 and row["portable"] > 0
+    # 2 rows x 40 entries x 2 layers x 3 KV heads, a key and a value each: 64 + 2 bytes per int8 vector.
+    assert formats["int8"]["bytes_per_pass"] == 2 * 40 * 2 * 3 * 2 * 66
