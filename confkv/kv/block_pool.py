@@ -113,12 +113,6 @@ class Codec:
             return codes
         return torch.cat((codes.view(torch.uint8), params.to(SCALE_DTYPE).contiguous().view(torch.uint8)), dim=-1)
 
-    def unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Pool rows [..., row_width] as codes [..., width] and params [..., p] (None for a float format)."""
-        if not self.quantized:
-            return rows, None
-        return rows[..., : self.width].view(self.dtype), rows[..., self.width :].contiguous().view(SCALE_DTYPE)
-
 
 class BlockPool:
     def __init__(self, codec: Codec, kv_heads: int, block_size: int, arena: Arena) -> None:
@@ -254,10 +248,13 @@ class BlockPool:
         """Store vectors already in this format: codes [n, kv_heads, width], params [n, kv_heads, p]."""
         self._scatter(rows, _rows(self.codec.pack(codes, params).contiguous()))
 
-    def read_encoded(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Entries `rows` as stored: codes [n, kv_heads, width] and params (or None)."""
-        stored = self._gather(rows).view(self.data.dtype).view(-1, *self.data.shape[2:])
-        return self.codec.unpack(stored)
+    def read_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Entries `rows` as stored, codes and params together (for `write_rows`, in a pool of the same format)."""
+        return self._gather(rows)
+
+    def write_rows(self, rows: torch.Tensor, stored: torch.Tensor) -> None:
+        """Store entries read by `read_rows` as entries `rows`."""
+        self._scatter(rows, stored)
 
     def _scatter(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         if self._triton is not None:

@@ -46,7 +46,6 @@ from confkv.kv.kv_layout import (
     VALUES,
     as_tensor,
     blocks_for,
-    entry_rows,
     rows_tensor,
 )
 from confkv.kv.paged_attention import DecodeBatch
@@ -557,9 +556,10 @@ class KVStore:
         bs, pools = self.block_size, self.allocator.pools_of(source.codec)
         per_channel = pools[KEYS].codec.per_channel
         layers, orders, layouts, reads, demoted = plan_rebuild(source, keep, bs)
-        encoded = [pools[kind].read_encoded(rows_tensor(reads[kind], self.device)) for kind in range(per_channel, 3)]
+        # NOTE: entries that keep their format are moved as stored rows, never decoded and encoded again.
+        stored = [pools[kind].read_rows(rows_tensor(reads[kind], self.device)) for kind in range(per_channel, 3)]
         if per_channel:
-            encoded.insert(KEYS, (pools[KEYS].tensors().read(rows_tensor(reads[KEYS], self.device), self.dtype), None))
+            stored.insert(KEYS, pools[KEYS].tensors().read(rows_tensor(reads[KEYS], self.device), self.dtype))
         demoted_values, from_kept = None, None
         if any(rows.size for rows in demoted):
             # [entries, kv_heads, head_dim], quantised as they are written (the pool's write kernel).
@@ -579,37 +579,52 @@ class KVStore:
             if charge or self.reclaim is None or not self.reclaim():
                 raise KVBudgetExceeded("the arena's pages are held by other storage formats")
 
-        targets: list[list[np.ndarray]] = [[], [], []]
-        fresh_keys = []  # per layer: the fresh blocks of its keys table
-        for layer, layout in zip(layers, layouts, strict=True):
-            for kind, (shared, n) in enumerate(layout):
-                old = self.tables.held(kind, layer, slot).copy()
-                # What stays is shared first; what goes is given back before fresh blocks are taken (it
-                # was read above), so that a compaction finds room in the blocks it frees.
-                pools[kind].ref(shared.tolist())
-                pools[kind].unref(old.tolist())
-                self.tables.num_blocks[kind, layer, slot] = 0
-                fresh = pools[kind].allocate(blocks_for(n, bs))
-                self.tables.extend(kind, layer, slot, [*shared.tolist(), *fresh])
-                start = len(shared) * bs
-                targets[kind].append(entry_rows(self.tables.ids[kind, layer, slot], np.arange(start, start + n), bs))
-                if kind == KEYS:
-                    fresh_keys.append(np.array(fresh, dtype=np.int64))
+        targets, fresh_keys = self._replace_blocks(slot, pools, layers, layouts)
         if per_channel:
-            keys = encoded.pop(KEYS)[0]  # [kv_heads, entries, head_dim]
             counts = [layout[KEYS][1] for layout in layouts]
-            self.channel_keys.write_fresh(pools[KEYS], slot, layers, fresh_keys, counts, keys)
+            self.channel_keys.write_fresh(pools[KEYS], slot, layers, fresh_keys, counts, stored.pop(KEYS))
         if demoted_values is not None:
-            rows = np.concatenate(targets[KEY_ONLY])
-            pools[KEY_ONLY].write(as_tensor(rows[~from_kept], self.device), demoted_values)
-            targets[KEY_ONLY] = [rows[from_kept]]
-        for kind, (codes, params) in enumerate(encoded, start=per_channel):
-            if len(codes):
-                pools[kind].write_encoded(rows_tensor(targets[kind], self.device), codes, params)
+            pools[KEY_ONLY].write(as_tensor(targets[KEY_ONLY][~from_kept], self.device), demoted_values)
+            targets[KEY_ONLY] = targets[KEY_ONLY][from_kept]
+        for kind, rows in enumerate(stored, start=per_channel):
+            if len(rows):
+                pools[kind].write_rows(as_tensor(targets[kind], self.device), rows)
 
         self.stats.copy_kept(slot, source.meta, layers, [order for order, _ in orders])
         self.tables.lengths[layers, slot] = [len(order) for order, _ in orders]
         self.tables.key_only[layers, slot] = [n_ko for _, n_ko in orders]
+
+    def _replace_blocks(
+        self, slot: int, pools: tuple[BlockPool, ...], layers: list[int], layouts: list
+    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Give the rebuilt tables of `slot` their blocks: the shared ones, then fresh ones for what is
+        written. Return, per table kind, the pool rows the written entries go to (layer after layer),
+        and each layer's fresh key blocks. Every kind's references are taken, then every old one given
+        back, before any fresh block is allocated, so that a compaction finds room in what it frees;
+        each pool is called once per kind, whatever the number of layers."""
+        bs = self.block_size
+        for kind, pool in enumerate(pools):
+            pool.ref(np.concatenate([layout[kind][0] for layout in layouts]))
+        for kind, pool in enumerate(pools):
+            pool.unref(np.concatenate([self.tables.held(kind, layer, slot) for layer in layers]))
+            self.tables.num_blocks[kind, layers, slot] = 0
+        targets, fresh_keys = [], []
+        for kind, pool in enumerate(pools):
+            written = np.array([layout[kind][1] for layout in layouts], dtype=np.int64)
+            counts = blocks_for(written, bs)
+            fresh = np.array(pool.allocate(int(counts.sum())), dtype=np.int64)
+            per_layer = np.split(fresh, np.cumsum(counts)[:-1])
+            for layer, layout, blocks in zip(layers, layouts, per_layer, strict=True):
+                self.tables.extend(kind, layer, slot, [*layout[kind][0].tolist(), *blocks.tolist()])
+            # A fresh block starts at an entry that is a multiple of the block size: its rows are whole,
+            # but for the last block of each table, which holds what is left.
+            filled = np.full(len(fresh), bs, dtype=np.int64)
+            filled[np.cumsum(counts)[counts > 0] - 1] = written[counts > 0] - (counts[counts > 0] - 1) * bs
+            rows = fresh[:, None] * bs + np.arange(bs)
+            targets.append(rows[np.arange(bs) < filled[:, None]])
+            if kind == KEYS:
+                fresh_keys = per_layer
+        return targets, fresh_keys
 
     def _rebuild_fits(self, slot: int, pools: tuple[BlockPool, ...], layers: list[int], layouts: list) -> bool:
         """Do a rebuild's fresh blocks fit in the arena, counting the blocks it lets go of first?"""
