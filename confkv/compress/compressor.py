@@ -187,7 +187,7 @@ class Compressor:
         # One update per scoring rule for the whole batch, not a call per sequence.
         groups: dict[str, list[int]] = {}
         for i, seq_id in enumerate(seq_ids):
-            groups.setdefault(repr(self.states[seq_id].policy), []).append(i)
+            groups.setdefault(self.states[seq_id].observation_group, []).append(i)
         for members in groups.values():
             policy = self.states[seq_ids[members[0]]].policy
             self.store.observe(layer, [seq_ids[i] for i in members], rows[members].unsqueeze(1), policy.accumulate)
