@@ -39,6 +39,7 @@ class Setup:
     pooling: tuple[str, int] | None = None  # dynamic: its own pooling over neighbours, or (this kind, over this many)
     lookahead: int = 0  # the server's lookahead_tokens: greedy tokens observed before the first compression
     retention_unit: str | None = None  # what is kept or dropped together: the server's own, or token, chunk...
+    compression_interval: int | None = None  # decode steps between compressions: the config's, or this
 
     @property
     def compresses(self) -> bool:

@@ -161,6 +161,8 @@ def request_of(setup: Setup, interval: int | None = None) -> dict:
         request["lookahead_tokens"] = setup.lookahead
     if setup.retention_unit is not None:
         request["retention_unit"] = setup.retention_unit
+    if setup.compression_interval is not None:
+        request["compression_interval"] = setup.compression_interval
     if options:
         request["policy_options"] = {"dynamic": options}
     return {**request, "compression_interval": interval} if interval else request

@@ -29,10 +29,11 @@ def window_features(
     query_positions: torch.Tensor,
     token_confidence: torch.Tensor,
     key_norm: torch.Tensor,
-    layer: int,
+    layer: int | torch.Tensor,
     num_layers: int,
 ) -> torch.Tensor:
-    """[n, T, len(FEATURES)] for n entries of one layer over T observations (oldest first).
+    """[n, T, len(FEATURES)] for n entries over T observations (oldest first), of one `layer` or each
+    of its own (`layer` [n]).
 
     masses [T, n]: attention each entry received from each observed query (mean over heads);
     query_positions [T]: those queries' positions; decayed [n]: the dynamic policy's decayed score
@@ -49,7 +50,7 @@ def window_features(
         position / query.clamp(min=1.0),
         token_confidence.float().view(1, n),
         key_norm.float().view(1, n) / KEY_NORM_SCALE,
-        torch.full((1, 1), layer / num_layers, device=masses.device),
+        (torch.as_tensor(layer, dtype=torch.float64, device=masses.device) / num_layers).float().view(1, -1),
     )
     return torch.stack([c.expand(steps, n) for c in columns], dim=-1).transpose(0, 1)
 

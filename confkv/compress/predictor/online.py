@@ -81,38 +81,51 @@ class FutureValue:
 
         The forecasts are kept with the entries: a job that does not refresh predicts only the entries
         that have none (new since the last refresh, or in a layer not predicted before)."""
+        if not jobs:
+            return {}
         windows, targets = [], []
         offsets = self.score_interval * torch.arange(self.history_steps - 1, -1, -1, device=store.device)
+        rows = store.stats.rows
         for job in jobs:
-            queries = job.num_tokens - 1 - offsets
-            for layer in job.layers:
-                kv = store.layer(job.seq_id, layer)
-                n = kv.length
-                todo = slice(0, n) if job.refresh else kv.forecast[:n].isnan().nonzero().squeeze(1)
-                positions = kv.positions[todo]
-                windows.append(
-                    window_features(
-                        kv.observed[:, todo],
-                        kv.attention[todo],
-                        positions,
-                        queries,
-                        job.token_confidence[positions],
-                        kv.key_norm[todo],
-                        layer,
-                        store.num_layers,
-                    )
+            # Every layer of a job at once: its rows [layers, slot, :width], the entries to predict picked by a mask.
+            slot = store.tables.slot_of[job.seq_id]
+            at = torch.tensor(job.layers, device=store.device)
+            lengths = torch.as_tensor(store.tables.lengths[job.layers, slot], device=store.device)
+            width = int(lengths.max())
+            todo = torch.arange(width, device=store.device) < lengths.view(-1, 1)
+            forecast = rows["forecast"][at, slot, :width]
+            if not job.refresh:
+                todo &= forecast.isnan()
+            layer, entry = todo.nonzero(as_tuple=True)  # layer by layer, in entry order
+            positions = rows["positions"][at, slot, :width][layer, entry]
+            windows.append(
+                window_features(
+                    rows["observed"][at, slot, :, :width][layer, :, entry].T,
+                    rows["attention"][at, slot, :width][layer, entry],
+                    positions,
+                    job.num_tokens - 1 - offsets,
+                    job.token_confidence[positions],
+                    rows["key_norm"][at, slot, :width][layer, entry],
+                    at[layer],
+                    store.num_layers,
                 )
-                targets.append((kv, todo))
-        if not windows:
-            return {}
-        rows = torch.cat(windows)
-        predicted = unscaled_attention(self.predictor(rows).float()) if len(rows) else rows.new_zeros(0)
-        forecasts = []
-        for (kv, todo), window, value in zip(targets, windows, predicted.split([len(w) for w in windows]), strict=True):
-            kv.forecast[todo] = value
-            forecasts.append(Forecast(kv.forecast[: kv.length].clone(), window))
-        ordered = iter(forecasts)
-        return {job.seq_id: {layer: next(ordered) for layer in job.layers} for job in jobs}
+            )
+            targets.append((job, slot, at, lengths, at[layer], entry, todo.sum(dim=1).tolist()))
+        rows_in = torch.cat(windows)
+        predicted = unscaled_attention(self.predictor(rows_in).float()) if len(rows_in) else rows_in.new_zeros(0)
+        forecasts: dict[int, dict[int, Forecast]] = {}
+        for (job, slot, at, lengths, layer, entry, counts), window, value in zip(
+            targets, windows, predicted.split([len(w) for w in windows]), strict=True
+        ):
+            rows["forecast"][layer, slot, entry] = value.to(rows["forecast"].dtype)
+            held = rows["forecast"][at, slot]
+            forecasts[job.seq_id] = {
+                layer_idx: Forecast(held[i, :n].clone(), layer_windows)
+                for i, (layer_idx, n, layer_windows) in enumerate(
+                    zip(job.layers, lengths.tolist(), window.split(counts), strict=True)
+                )
+            }
+        return forecasts
 
 
 def predictor_path(model_path: Path | None, model_config=None, prediction_window: int | None = None) -> Path:
