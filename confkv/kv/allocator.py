@@ -84,5 +84,5 @@ class KVAllocator:
     def unref(self, pools: tuple[BlockPool, ...], tables: list[list[np.ndarray]]) -> None:
         """Give back one reference to every block of these tables (by table kind, then layer)."""
         for pool, layers in zip(pools, tables, strict=True):
-            for blocks in layers:
-                pool.unref(blocks.tolist())
+            if layers:
+                pool.unref(np.concatenate(layers))

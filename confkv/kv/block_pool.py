@@ -188,16 +188,21 @@ class BlockPool:
     def ref(self, ids: list[int]) -> None:
         np.add.at(self.refs, np.asarray(ids, dtype=np.int64), 1)
 
-    def unref(self, ids: list[int]) -> int:
-        """Drop one reference to each block; return how many blocks became free."""
+    def unref(self, ids: list[int] | np.ndarray, keep: int = 0) -> np.ndarray:
+        """Drop one reference to each block. Of those no one holds any more the caller keeps the
+        lowest `keep`, with one reference each as if allocated, and the rest are free; return the
+        kept ones. NOTE: a rebuild keeps what it lets go of for its fresh blocks, so that thousands
+        of blocks do not go through the free list and straight back out."""
         blocks = np.asarray(ids, dtype=np.int64)
         np.subtract.at(self.refs, blocks, 1)
         freed = np.unique(blocks[self.refs[blocks] == 0])
+        kept, freed = freed[:keep], freed[keep:]
+        self.refs[kept] = 1
         self.used_blocks -= len(freed)
         for b in freed.tolist():
             heapq.heappush(self._free, b)
         self._count_in_pages(freed, -1)
-        return len(freed)
+        return kept
 
     def _count_in_pages(self, blocks: np.ndarray, sign: int) -> None:
         """Count blocks that came into use (sign 1) or out of it (-1) in their pages' tallies."""

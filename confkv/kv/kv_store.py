@@ -600,26 +600,32 @@ class KVStore:
         """Give the rebuilt tables of `slot` their blocks: the shared ones, then fresh ones for what is
         written. Return, per table kind, the pool rows the written entries go to (layer after layer),
         and each layer's fresh key blocks. Every kind's references are taken, then every old one given
-        back, before any fresh block is allocated, so that a compaction finds room in what it frees;
-        each pool is called once per kind, whatever the number of layers."""
+        back (keeping what it needs of the blocks that became free), before any other block is
+        allocated, so that a compaction finds room in what it frees; each pool is called once per kind,
+        whatever the number of layers."""
         bs = self.block_size
+        written = [np.array([layout[kind][1] for layout in layouts], dtype=np.int64) for kind in range(3)]
+        counts = [blocks_for(n, bs) for n in written]
         for kind, pool in enumerate(pools):
             pool.ref(np.concatenate([layout[kind][0] for layout in layouts]))
+        reused = []
         for kind, pool in enumerate(pools):
-            pool.unref(np.concatenate([self.tables.held(kind, layer, slot) for layer in layers]))
+            old = np.concatenate([self.tables.held(kind, layer, slot) for layer in layers])
+            reused.append(pool.unref(old, keep=int(counts[kind].sum())))
             self.tables.num_blocks[kind, layers, slot] = 0
         targets, fresh_keys = [], []
         for kind, pool in enumerate(pools):
-            written = np.array([layout[kind][1] for layout in layouts], dtype=np.int64)
-            counts = blocks_for(written, bs)
-            fresh = np.array(pool.allocate(int(counts.sum())), dtype=np.int64)
-            per_layer = np.split(fresh, np.cumsum(counts)[:-1])
-            for layer, layout, blocks in zip(layers, layouts, per_layer, strict=True):
-                self.tables.extend(kind, layer, slot, [*layout[kind][0].tolist(), *blocks.tolist()])
+            entries, blocks = written[kind], counts[kind]
+            more = pool.allocate(int(blocks.sum()) - len(reused[kind]))
+            fresh = np.concatenate((reused[kind], np.array(more, dtype=np.int64)))
+            per_layer = np.split(fresh, np.cumsum(blocks)[:-1])
+            for layer, layout, own in zip(layers, layouts, per_layer, strict=True):
+                self.tables.extend(kind, layer, slot, [*layout[kind][0].tolist(), *own.tolist()])
             # A fresh block starts at an entry that is a multiple of the block size: its rows are whole,
             # but for the last block of each table, which holds what is left.
             filled = np.full(len(fresh), bs, dtype=np.int64)
-            filled[np.cumsum(counts)[counts > 0] - 1] = written[counts > 0] - (counts[counts > 0] - 1) * bs
+            some = blocks > 0
+            filled[np.cumsum(blocks)[some] - 1] = entries[some] - (blocks[some] - 1) * bs
             rows = fresh[:, None] * bs + np.arange(bs)
             targets.append(rows[np.arange(bs) < filled[:, None]])
             if kind == KEYS:
