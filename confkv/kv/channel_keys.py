@@ -104,17 +104,20 @@ class ChannelKeys:
         """Write `keys` [kv_heads, sum(counts), head_dim], the fresh part of each layer's keys table in
         turn (counts[i] entries from a block boundary into `blocks[i]`), and make each layer's
         partial last block its key tail (a rebuild's keys)."""
-        bs, width = self.block_size, keys.shape[-1]
-        padded = []  # each layer's keys, whole blocks' worth: [blocks, bs, kv_heads, head_dim]
-        for part, n in zip(keys.split(counts, dim=1), counts, strict=True):
-            whole = part.new_zeros(part.shape[0], blocks_for(n, bs) * bs, width)
-            whole[:, :n] = part
-            padded.append(whole.transpose(0, 1).reshape(-1, bs, part.shape[0], width))
-        staged = torch.cat(padded) if padded else keys.new_zeros(0, bs, keys.shape[0], width)
-        filled = np.concatenate([np.minimum(bs, n - bs * np.arange(blocks_for(n, bs))) for n in counts])
+        bs, heads, width = self.block_size, keys.shape[0], keys.shape[-1]
+        per_layer = blocks_for(np.array(counts, dtype=np.int64), bs)
+        # Each layer's keys from its first fresh block on, the rest of its last block zero: one scatter.
+        first_block = np.cumsum(per_layer) - per_layer
+        rows = np.arange(sum(counts)) + np.repeat(bs * first_block - (np.cumsum(counts) - counts), counts)
+        staged = keys.new_zeros(int(per_layer.sum()) * bs, heads, width)
+        staged[self._tensor(rows)] = keys.transpose(0, 1)
+        staged = staged.view(-1, bs, heads, width)
+        # Entries each block holds: whole blocks, but for each layer's last.
+        in_layer = np.arange(len(staged)) - np.repeat(first_block, per_layer)
+        filled = np.minimum(bs, np.repeat(counts, per_layer) - bs * in_layer)
         if len(staged):
             pool.write_blocks(rows_tensor(blocks, self.device), staged, self._tensor(filled.astype(np.int64)))
-        last = np.cumsum([blocks_for(n, bs) for n in counts]) - 1
+        last = first_block + per_layer - 1
         tails = [(layer, int(i)) for layer, i, n in zip(layers, last, counts, strict=True) if n % bs]
         if tails:
             index = self._tensor(np.array([i for _, i in tails]))
