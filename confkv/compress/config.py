@@ -136,7 +136,7 @@ class CompressionSettings(BaseModel):
         description="future tokens the value predictor looks ahead: the window it was trained for (a request "
         "may only repeat it; another value is refused)",
     )
-    compression_interval: int = Field(16, ge=1, description="decode steps between compressions")
+    compression_interval: int = Field(32, ge=1, description="decode steps between compressions")
     kv_cache_dtype: StorageDtype = Field(
         "int8",
         description="storage precision of FULL entries of compressed requests; auto is the model's dtype "
