@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from confkv.kv.arena import SPARE_PAGES, Arena
+from confkv.kv.arena import HUGE_PAGE, SPARE_PAGES, Arena
 from confkv.kv.attention import PackedBatch, Segment, packed_kv_attention
 from confkv.kv.block_pool import BlockPool, Codec
 from confkv.kv.block_tables import Keep, ParkedKV
@@ -535,3 +538,25 @@ def test_a_pool_short_of_pages_takes_the_empty_pages_of_others_and_keeps_its_own
     taker.data[0].fill_(7.0)  # a free block of the taker's empty page
     blocks = taker.allocate(8)
     assert sorted(blocks) == list(range(8)) and other.pages == [] and taker.data[0].eq(7.0).all()
+
+
+def test_the_cpu_arena_lies_in_huge_pages():
+    """Decode attention reads blocks scattered over the arena: on 4 KiB pages it would wait on page walks
+    (see confkv.kv.arena.huge_page_memory). The arena is aligned to a huge page and, where the kernel
+    grants transparent huge pages on request, backed by them once touched."""
+    arena = Arena(8 * HUGE_PAGE, HUGE_PAGE)
+    start = arena.memory.data_ptr()
+    assert start % HUGE_PAGE == 0 and arena.nbytes == 8 * HUGE_PAGE
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if sys.platform != "linux" or not thp.exists() or "[never]" in thp.read_text():
+        return  # the alignment is all this host can show
+    arena.memory.fill_(1)
+    huge_kib = 0
+    mapping = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            low, high = (int(x, 16) for x in line.split()[0].split("-"))
+            mapping = low <= start < high
+        elif mapping and line.startswith("AnonHugePages:"):
+            huge_kib = int(line.split()[1])
+    assert huge_kib >= HUGE_PAGE // 1024

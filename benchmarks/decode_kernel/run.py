@@ -1,11 +1,12 @@
-"""The CPU decode-attention kernel alone, per storage format: its vector path against its portable loops,
-and both against the memory's speed.
+"""The CPU decode-attention kernel alone, per storage format: its vector path against its portable loops
+and against itself in memory of 4 KiB pages, and against the memory's speed.
 
 Every format's pools hold the same batch: R rows (sequences) of N entries in each of L layers, the
 embedded model's shape by default (3 KV heads, groups of 3 query heads, head_dim 64, blocks of 16),
 its blocks scattered over the pool as a running server's are. One pass is one kernel call per
-layer, as a decode step makes; the figure is the median of the passes, the two bodies taking turns
-(`CONFKV_PORTABLE_KERNEL=1` selects the portable loops, read at every call). The machine's read
+layer, as a decode step makes; the figure is the median of the passes, the bodies taking turns
+(`CONFKV_PORTABLE_KERNEL=1` selects the portable loops, read at every call; the third body reads the
+same batch from pools whose arena is not backed by huge pages). The machine's read
 bandwidth is measured in the same run (`benchmarks/decode_step/run.py`'s pass over 1 GiB), so each
 format's bytes read per pass give the time reading them at that speed would take: the roofline.
 
@@ -45,11 +46,12 @@ def codec_of(fmt: str, args: argparse.Namespace) -> Codec:
     return Codec(getattr(torch, fmt) if fmt.startswith(("float", "bfloat")) else fmt, args.head_dim, args.block_size)
 
 
-def filled_pool(fmt: str, blocks: int, args: argparse.Namespace, gen: torch.Generator) -> BlockPool:
-    """A pool of `blocks` blocks of random vectors at format `fmt` (int4c: keys per channel)."""
+def filled_pool(fmt: str, blocks: int, args: argparse.Namespace, gen: torch.Generator, huge_pages: bool) -> BlockPool:
+    """A pool of `blocks` blocks of random vectors at format `fmt` (int4c: keys per channel), in an arena
+    backed by huge pages or not."""
     codec = codec_of(fmt, args)
     block_bytes = args.kv_heads * args.block_size * codec.vector_bytes
-    arena = Arena((blocks + 32) * block_bytes, 32 * block_bytes)  # whole pages, one spare
+    arena = Arena((blocks + 32) * block_bytes, 32 * block_bytes, huge_pages=huge_pages)  # whole pages, one spare
     pool = BlockPool(codec, args.kv_heads, args.block_size, arena)
     ids = torch.tensor(pool.allocate(blocks))
     per_chunk = CHUNK // args.block_size
@@ -64,14 +66,15 @@ def filled_pool(fmt: str, blocks: int, args: argparse.Namespace, gen: torch.Gene
     return pool
 
 
-def batches(fmt: str, args: argparse.Namespace) -> tuple[list[tuple], int]:
-    """One layer's kernel arguments per layer, and the bytes a pass reads (every row's keys and values)."""
+def batches(fmt: str, args: argparse.Namespace, huge_pages: bool = True) -> tuple[list[tuple], int]:
+    """One layer's kernel arguments per layer, and the bytes a pass reads (every row's keys and values);
+    the same seed gives the same batch, in memory backed by huge pages or not."""
     gen = torch.Generator().manual_seed(0)
     per_table = -(-args.entries // args.block_size)
     tables = args.rows * per_table * args.layers
     key_format, value_format = ("int4c", "int4") if fmt == "kivi4" else (fmt, fmt)
     # Keys and values in pools of their own (the kernel reads a row's keys and values through its two).
-    pools = [filled_pool(key_format, tables, args, gen), filled_pool(value_format, tables, args, gen)]
+    pools = [filled_pool(f, tables, args, gen, huge_pages) for f in (key_format, value_format)]
     # Scattered: each table's blocks drawn at random from its pool, as a server's are after a while.
     order = [torch.randperm(tables, generator=gen).int().view(args.layers, args.rows, per_table) for _ in range(2)]
     rows = torch.arange(args.rows, dtype=torch.int32)
@@ -100,14 +103,16 @@ def batches(fmt: str, args: argparse.Namespace) -> tuple[list[tuple], int]:
     return layers, args.rows * args.entries * args.layers * args.kv_heads * entry_bytes
 
 
-def timed_passes(kernel, layers: list[tuple], repeats: int) -> dict[str, float]:
-    """Median seconds of a pass over the layers, per body, the two taking turns."""
-    times: dict[str, list[float]] = {"vector": [], "portable": []}
+def timed_passes(kernel, layers: list[tuple], small_pages: list[tuple], repeats: int) -> dict[str, float]:
+    """Median seconds of a pass over the layers, per body (the vector path, the portable loops, and the
+    vector path over the same batch in memory of 4 KiB pages), the bodies taking turns."""
+    bodies = {"vector": (layers, "0"), "portable": (layers, "1"), "small_pages": (small_pages, "0")}
+    times: dict[str, list[float]] = {body: [] for body in bodies}
     for _ in range(repeats + 1):  # the first round warms up
-        for body in times:
-            os.environ["CONFKV_PORTABLE_KERNEL"] = "1" if body == "portable" else "0"
+        for body, (batch, portable) in bodies.items():
+            os.environ["CONFKV_PORTABLE_KERNEL"] = portable
             start = time.perf_counter()
-            for arguments in layers:
+            for arguments in batch:
                 kernel.decode_attention(*arguments)
             times[body].append(time.perf_counter() - start)
     os.environ.pop("CONFKV_PORTABLE_KERNEL")
@@ -138,8 +143,9 @@ def main() -> None:
     with torch.inference_mode():
         for fmt in tqdm(args.formats, desc="formats"):
             layers, read = batches(fmt, args)
-            figures[fmt] = {"bytes_per_pass": read, **timed_passes(kernel, layers, args.repeats)}
-            del layers
+            small_pages, _ = batches(fmt, args, huge_pages=False)
+            figures[fmt] = {"bytes_per_pass": read, **timed_passes(kernel, layers, small_pages, args.repeats)}
+            del layers, small_pages
     data = {"commit": provenance.commit, "bandwidth_gbs": bandwidth, "formats": figures}
     save_report(args.out, "Decode kernel per storage format", table(data, args), data, args, provenance)
 
@@ -149,20 +155,22 @@ def table(data: dict, args: argparse.Namespace) -> str:
     lines = [
         f"{args.rows} rows of {args.entries} entries in each of {args.layers} layers ({args.kv_heads} KV heads, "
         f"{args.heads} query heads, head_dim {args.head_dim}, blocks of {args.block_size}, scattered), "
-        f"{args.threads} CPU threads; a pass is one kernel call per layer, median of {args.repeats}, the two "
-        f"bodies taking turns; the machine reads {bandwidth:.1f} GB/s (a sum over 1 GiB); commit "
+        f"{args.threads} CPU threads; a pass is one kernel call per layer, median of {args.repeats}, the three "
+        f"bodies taking turns (the last: the vector path over the same batch in 4 KiB pages, not the arena's "
+        f"huge pages); the machine reads {bandwidth:.1f} GB/s (a sum over 1 GiB); commit "
         f"{data['commit']}, `{command_line([__file__, *sys.argv[1:]])}`.",
         "",
-        "| format | read per pass | vector path | portable loops | vector vs portable | bandwidth reached | "
-        "of the machine's | at the memory's speed |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| format | read per pass | vector path | portable loops | vector vs portable | 4 KiB pages | huge vs "
+        "4 KiB pages | bandwidth reached | of the machine's | at the memory's speed |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for fmt, row in data["formats"].items():
-        read, vector, portable = row["bytes_per_pass"], row["vector"], row["portable"]
+        read, vector, portable, small = row["bytes_per_pass"], row["vector"], row["portable"], row["small_pages"]
         reached = read / vector / 1e9
         lines.append(
             f"| {fmt} | {read / 2**20:.0f} MiB | {1000 * vector:.1f} ms | {1000 * portable:.1f} ms | "
-            f"{vector / portable:.2f}x | {reached:.1f} GB/s | {100 * reached / bandwidth:.0f}% | "
+            f"{vector / portable:.2f}x | {1000 * small:.1f} ms | {vector / small:.2f}x | {reached:.1f} GB/s | "
+            f"{100 * reached / bandwidth:.0f}% | "
             f"{1000 * read / (bandwidth * 1e9):.1f} ms |"
         )
     return "\n".join(lines)

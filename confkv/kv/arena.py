@@ -10,11 +10,15 @@ they did when pools were tensors of their own.
 
 On CPU the tensor is allocated without being touched, so a page costs resident memory only once it
 is first lent; on CUDA the whole arena is device memory from the start, as vLLM's KV cache is.
+On Linux the CPU arena asks for transparent huge pages (see huge_page_memory), so residency grows in
+steps of 2 MiB rather than of a page.
 """
 
 from __future__ import annotations
 
+import ctypes
 import heapq
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,16 +34,44 @@ BLOCKS_PER_PAGE = 32
 SPARE_PAGES = 4
 
 
+HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
+MADV_HUGEPAGE = 14
+
+
+def huge_page_memory(nbytes: int) -> torch.Tensor:
+    """`nbytes` of CPU memory, untouched, aligned to a huge page and advised to be backed by huge pages.
+
+    NOTE: decode attention reads a row's blocks scattered over the arena, a few KiB each; with 4 KiB
+    pages nearly every block costs a TLB miss, and the kernel waits on page walks rather than on memory
+    (benchmarks/decode_kernel: int8 read about 1.6x faster backed by huge pages, on this project's CPU).
+    Where the kernel ignores the advice (THP off, not Linux) the memory is used as it is.
+    """
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE
+    memory = raw[offset : offset + nbytes]  # a view: it keeps the whole allocation alive
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(memory.data_ptr()), ctypes.c_size_t(nbytes), MADV_HUGEPAGE)
+    return memory
+
+
 class ArenaFull(RuntimeError):
     """Raised when a pool needs a page and the arena has none free."""
 
 
 class Arena:
-    def __init__(self, capacity_bytes: int, page_bytes: int, device: torch.device | str = "cpu") -> None:
-        """At most `capacity_bytes` (one page at least), in whole pages of `page_bytes`."""
+    def __init__(
+        self, capacity_bytes: int, page_bytes: int, device: torch.device | str = "cpu", huge_pages: bool = True
+    ) -> None:
+        """At most `capacity_bytes` (one page at least), in whole pages of `page_bytes`; on CPU backed by
+        huge pages unless `huge_pages` is false (a benchmark's comparison)."""
         self.page_bytes = page_bytes
         self.num_pages = max(1, capacity_bytes // page_bytes)
-        self.memory = torch.empty(self.num_pages * page_bytes, dtype=torch.uint8, device=device)
+        nbytes = self.num_pages * page_bytes
+        if torch.device(device).type == "cpu" and huge_pages:
+            self.memory = huge_page_memory(nbytes)
+        else:
+            self.memory = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self._free = list(range(self.num_pages))  # a heap: the lowest page first
         self._touched: set[int] = set()  # pages ever lent: on CPU, the part of the arena made resident
         self.pools: list[BlockPool] = []  # what borrows pages; asked for its empty ones when none is free
