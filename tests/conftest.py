@@ -67,12 +67,12 @@ TIERS = {
     "engine": (
         "test_async_compression", "test_calibration", "test_compression", "test_decode_step_benchmark", "test_engine",
         "test_engine_equivalence", "test_engine_faults", "test_fitting", "test_layer_budgets", "test_library",
-        "test_lookahead", "test_policies", "test_predictor", "test_prefix_cache", "test_quality_benchmark",
-        "test_random_weights", "test_spans", "test_thresholds",
+        "test_lookahead", "test_policies", "test_predictor", "test_prefix_cache", "test_prompt_logprobs",
+        "test_quality_benchmark", "test_random_weights", "test_spans", "test_thresholds",
     ),
     "server": (
         "test_app_faults", "test_bad_requests", "test_clients", "test_fuzz", "test_inspect", "test_middleware",
-        "test_openai", "test_server", "test_tensor_parallel",
+        "test_openai", "test_server", "test_tensor_parallel", "test_tokenizer_routes",
     ),
     "ops": (
         "test_cluster", "test_cluster_live", "test_cluster_serve", "test_deploy", "test_gpu_check",

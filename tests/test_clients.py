@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from confkv.models.default_model import FOLDER_NAME
-from tests.helpers import ROOT
+from tests.helpers import ROOT, LiveServer
 
 pytestmark = pytest.mark.slow
 
@@ -263,3 +263,32 @@ def test_an_exact_value_copied_in_part_is_told_apart_from_a_miss(tokenizer):
     doc = case("number", "prose", 4096, 0, 5, tokenizer)
     assert doc["outputs"] in doc["input"] and 7 <= len(doc["outputs"]) <= 10
     assert 3500 < len(tokenizer(doc["input"]).input_ids) <= 4096 - 32
+
+
+def test_lm_eval_scores_likelihoods_through_the_server_as_transformers_does(default_path, tmp_path):
+    """lm-eval's `loglikelihood` (multiple choice) and `loglikelihood_rolling` (perplexity) requests, unchanged,
+    through /v1/completions (echo, logprobs 1, max_tokens 1) with the server's own tokenizer routes, which
+    lm-eval finds by itself: with compression off (the prompt's KV at the model's dtype) every request's
+    log-likelihood is transformers' own on the same model."""
+    from benchmarks.lm_eval.run import SETUPS, compare, run_lm_eval
+    from benchmarks.lm_eval.tasks import write_tasks
+
+    tasks = write_tasks(tmp_path / "tasks")
+    off = LiveServer("--model-path", str(default_path), *SETUPS["compression off"])
+    try:
+        args = f"model={MODEL},base_url={off.url}/v1/completions,num_concurrent=2,max_retries=1"
+        through = run_lm_eval("local-completions", args, tasks, tmp_path / "server", timeout=600)
+        statuses = _requests_by_status(off.url)
+        # By how each ended: every request answered, none refused (a refusal counts under its HTTP status).
+        assert not any(status.isdigit() for status in statuses) and sum(statuses.values()) == 44 * 4 + 3, statuses
+        assert _ignored(off.url) == []  # nor a field ignored
+    finally:
+        off.stop()
+    local = run_lm_eval("hf", f"pretrained={default_path},dtype=float32", tasks, tmp_path / "hf", 600)
+    rows = compare(local, {"off": through})
+    assert rows["confkv_choices"]["requests"] == 44 * 4 and rows["confkv_text"]["requests"] == 3
+    for row in rows.values():
+        # Sums of a few to 150 token log-probabilities, each within fp32's reordering of transformers' own.
+        assert row["max_loglikelihood_difference"]["off"] < 1e-2, row
+    text = rows["confkv_text"]
+    assert text["server"]["off"]["word_perplexity"] == pytest.approx(text["transformers"]["word_perplexity"], rel=1e-3)

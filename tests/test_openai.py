@@ -232,8 +232,6 @@ def test_vllm_sampling_extensions_are_honoured(client):
     assert "x-ignored-fields" not in shaped.headers
     assert shaped.parse().usage.completion_tokens == 8
     assert shaped.parse().choices[0].text != text  # the penalty moves greedy decoding off its repeats
-    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
-        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True, logprobs=1)
 
 
 def test_unknown_model_and_oversized_prompts(client):
@@ -266,3 +264,111 @@ def test_stream_client_going_away_gives_memory_back(client, server):
         time.sleep(0.1)
     assert server.metric("kv_cache_bytes", '{pool="running"}') == 0.0
     assert server.metric("requests_running") == 0
+
+
+SCORED = "The capital of France is Paris, and the capital of Italy is Rome."
+# The prompt's KV at the model's dtype: its log-probabilities are then the model's own (the server stores
+# int8 as shipped, and they are the model's over an int8 cache).
+MODEL_DTYPE = {"compression": {"kv_cache_dtype": "auto"}}
+
+
+def prompt_reference(model, ids: list[int]):
+    """transformers' log-probability of each prompt token after the first, at fp32."""
+    import torch
+
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return logprobs[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, tokenizer, default_model):
+    """lm-eval's loglikelihood request: token ids, echo, logprobs 1, max_tokens 1. The prompt's tokens come
+    first, the first without a log-probability, then the generated one."""
+    ids = tokenizer(SCORED).input_ids
+    got = client.completions.create(
+        model=MODEL, prompt=ids, echo=True, logprobs=1, max_tokens=1, temperature=0, extra_body=MODEL_DTYPE
+    )
+    choice = got.choices[0]
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(ids) + 1 == len(logprobs.token_logprobs) == len(logprobs.top_logprobs)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1 : len(ids)] == pytest.approx(prompt_reference(default_model, ids), abs=1e-4)
+    assert all(
+        len(top) == 1 and max(top.values()) >= lp - 1e-6
+        for top, lp in zip(logprobs.top_logprobs[1:], logprobs.token_logprobs[1:], strict=True)
+    )
+    assert choice.text.startswith(tokenizer.decode(ids)) and len(choice.text) > len(tokenizer.decode(ids))
+    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
+    assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == 1
+
+
+def test_max_tokens_zero_with_echo_returns_the_prompt_alone(client, tokenizer):
+    got = client.completions.create(model=MODEL, prompt=SCORED, echo=True, max_tokens=0, temperature=0, logprobs=0)
+    choice = got.choices[0]
+    assert choice.text == SCORED and choice.finish_reason == "length" and got.usage.completion_tokens == 0
+    assert len(choice.logprobs.tokens) == got.usage.prompt_tokens and choice.logprobs.top_logprobs[1] == {}
+    plain = client.completions.create(model=MODEL, prompt=SCORED, echo=True, max_tokens=0)
+    assert plain.choices[0].text == SCORED and plain.choices[0].logprobs is None
+
+
+def test_vllms_prompt_logprobs_on_every_route(client, server, tokenizer, default_model):
+    """vLLM's `prompt_logprobs`: per prompt token, by token id, its log-probability, rank and text, with the
+    likeliest tokens; on /v1/completions (a choice's), /v1/chat/completions (the response's) and /generate."""
+    ids = tokenizer(SCORED).input_ids
+    want = prompt_reference(default_model, ids)
+    completion = client.completions.create(
+        model=MODEL, prompt=SCORED, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2, **MODEL_DTYPE}
+    )
+    entries = completion.choices[0].model_extra["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    for token, entry, value in zip(ids[1:], entries[1:], want, strict=True):
+        assert entry[str(token)]["logprob"] == pytest.approx(value, abs=1e-4)
+        assert entry[str(token)]["decoded_token"] == tokenizer.decode([token])
+        assert 2 <= len(entry) <= 3 and {e["rank"] for e in entry.values()} >= {1, 2}
+    generated = generate(server, {"prompt": SCORED, "max_tokens": 0, "prompt_logprobs": 0})
+    assert generated["text"] == "" and generated["finish_reason"] == "length"
+    assert [list(e) for e in generated["prompt_logprobs"][1:]] == [[str(t)] for t in ids[1:]]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 0}
+    )
+    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+
+
+def test_a_streamed_echo_carries_the_prompts_logprobs_first(client, tokenizer):
+    ids = tokenizer(SCORED).input_ids
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=SCORED, echo=True, logprobs=1, max_tokens=3, temperature=0, stream=True
+        )
+    )
+    first = chunks[0].choices[0]
+    assert first.text.startswith(SCORED) and first.logprobs.token_logprobs[0] is None
+    assert len(first.logprobs.tokens) == len(ids) + 1  # the prompt, then the first generated token
+    whole = client.completions.create(model=MODEL, prompt=SCORED, echo=True, logprobs=1, max_tokens=3, temperature=0)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == whole.choices[0].logprobs.token_logprobs
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"prompt": ""}, "prompt"),
+    ],
+)
+def test_bad_scoring_requests_name_the_field(client, kwargs, param):
+    request = {"model": MODEL, "prompt": SCORED, "echo": True, "max_tokens": 0, **kwargs}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(**request)
+    assert caught.value.body["param"] == param
+
+
+def test_prompt_logprobs_on_a_chat_stream_are_refused(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 1}
+        )
+    assert "prompt_logprobs" in caught.value.body["message"]

@@ -25,7 +25,7 @@ from confkv.engine.compression_worker import CompressionWorker
 from confkv.engine.listeners import CompressionListener, PrefixCacheListener
 from confkv.engine.model_runner import ModelRunner
 from confkv.engine.outputs import Outputs, RequestOutput
-from confkv.engine.sampler import History, SampleOutput, sample
+from confkv.engine.sampler import History, SampleOutput, prompt_logprobs, sample
 from confkv.engine.scheduler import Scheduler, SchedulerOutput, SequenceListener
 from confkv.engine.sequence import FinishReason, SamplingParams, ScheduledChunk, Sequence, SequenceStatus
 from confkv.engine.tensor_parallel import Followers, RankObserver, StepOrder
@@ -321,10 +321,10 @@ class LLMEngine:
         due = [seq for seq in due if seq.status is SequenceStatus.RUNNING and seq.seq_id in self.store]
         out_of_memory = len(sched.rejected)
         job = self.worker.start(due) if due and sched.chunks else None
-        logits = None
+        logits, prompt_logits = None, {}
         try:
             if sched.chunks:
-                logits, failed = self._run(sched)
+                logits, prompt_logits, failed = self._run(sched)
                 out_of_memory += failed
         finally:
             waited = time.perf_counter()
@@ -332,7 +332,7 @@ class LLMEngine:
             self.compression.apply(plans)
             compression_s = time.perf_counter() - waited
         if sched.chunks:
-            compression_s += self._postprocess(sched, logits)
+            compression_s += self._postprocess(sched, logits, prompt_logits)
         self._end_failed_compressions()
         outputs = self.outputs.drain()
         self._check_ranks()
@@ -368,28 +368,41 @@ class LLMEngine:
             self.scheduler.finish(seq, FinishReason.ERROR, error)
         return sched
 
-    def _run(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, int]:
-        """One forward pass; logits of the chunks that need them, and the requests failed for want of
-        memory. A failed forward fails only the sequences in it (and leaves nothing scheduled)."""
+    def _run(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, dict[int, torch.Tensor], int]:
+        """One forward pass; logits of the chunks that need them, those of their prompt positions (by
+        seq_id), and the requests failed for want of memory. A failed forward fails only the sequences
+        in it (and leaves nothing scheduled)."""
         self.compression.prepare(sched.chunks)
         try:
-            return self.runner.run(sched.chunks, observer=self.observer), 0
+            return *self.runner.run(sched.chunks, observer=self.observer), 0
         except Exception as exc:
             log.exception("forward pass failed for %d sequences", len(sched.sequences))
             out_of_memory = len(sched.sequences) if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) else 0
             for seq in sched.sequences:
                 self._fail(seq, "forward", f"model forward failed: {exc}")
             sched.sequences, sched.chunks = [], []
-            return None, out_of_memory
+            return None, {}, out_of_memory
 
-    def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor | None) -> float:
-        """Advance the scheduled sequences, sample the next token of those that need one, then
-        compress the sequences still running whose compression is due (with `async_compression`,
-        leave it for the next step); return the seconds compression took here."""
+    def _postprocess(
+        self, sched: SchedulerOutput, logits: torch.Tensor | None, prompt_logits: dict[int, torch.Tensor]
+    ) -> float:
+        """Advance the scheduled sequences, note their prompt log-probabilities, sample the next token of
+        those that need one (end those that asked for none), then compress the sequences still running
+        whose compression is due (with `async_compression`, leave it for the next step); return the
+        seconds compression took here."""
         sampled = [seq for seq, chunk in zip(sched.sequences, sched.chunks, strict=True) if chunk.needs_logits]
         for seq, chunk in zip(sched.sequences, sched.chunks, strict=True):
             seq.num_computed += len(chunk.token_ids)
         self._park_prompts(sched.sequences)
+        if prompt_logits:  # NOTE: on every rank, so that their chunks keep the same rows of logits
+            self._note_prompt_logprobs(sched, prompt_logits)
+        rows = [i for i, seq in enumerate(sampled) if not seq.is_finished and seq.params.max_tokens > 0]
+        for seq in sampled:
+            if not seq.is_finished and seq.params.max_tokens == 0:
+                self.scheduler.finish(seq, FinishReason.LENGTH)  # prefilled for its prompt log-probabilities
+        if len(rows) < len(sampled):
+            sampled = [sampled[i] for i in rows]
+            logits = logits[rows]
         confidence: dict[int, float] = {}
         if sampled:
             params = [s.params for s in sampled]
@@ -462,6 +475,19 @@ class LLMEngine:
                 results.append(SampleOutput(None, 0.0, f"sampling failed: {exc!r}"))
         return results
 
+    def _note_prompt_logprobs(self, sched: SchedulerOutput, prompt_logits: dict[int, torch.Tensor]) -> None:
+        """Each scheduled prompt position's log-probability of the next prompt token, onto its sequence."""
+        for seq, chunk in zip(sched.sequences, sched.chunks, strict=True):
+            if not chunk.prompt_positions:
+                continue
+            targets = [seq.prompt_token_ids[p + 1] for p in chunk.prompt_positions]
+            try:
+                reports = prompt_logprobs(prompt_logits[seq.seq_id], targets, seq.params.prompt_logprobs)
+            except Exception as exc:  # this request fails alone
+                self._fail(seq, "prompt_logprobs", f"prompt log-probabilities failed: {exc}")
+                continue
+            seq.prompt_logprobs.extend(reports)
+
     def _park_prompts(self, sequences: list[Sequence]) -> None:
         """Park the prompt KV of the sequences whose prefill just ended that will not hold all of it: those
         that compress, before their query-aware compression, and any of a model with sliding-window
@@ -497,7 +523,7 @@ class LLMEngine:
                     for seq_id, (seq, steps) in ahead.items()
                     if step < steps
                 ]
-                logits = self.runner.run(chunks, observer=self.observer)
+                logits, _ = self.runner.run(chunks, observer=self.observer)
                 for chunk, token in zip(chunks, logits.argmax(dim=-1).tolist(), strict=True):
                     tokens[chunk.seq_id] = token
         except Exception:

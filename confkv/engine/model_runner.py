@@ -32,15 +32,22 @@ class ModelRunner:
         model.set_attn_implementation(ATTENTION_NAME)
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk], observer: AttentionObserver | None = None) -> torch.Tensor:
-        """Run one packed forward; return fp32 logits [n, vocab] of the chunks that need them."""
+    def run(
+        self, chunks: list[ScheduledChunk], observer: AttentionObserver | None = None
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run one packed forward; return fp32 logits [n, vocab] of the chunks that need them, and by
+        seq_id the logits [k, vocab] of the chunks' `prompt_positions` (their prompt log-probabilities)."""
         segments, token_ids, positions, keep = [], [], [], []
+        prompt_rows: dict[int, range] = {}  # seq_id -> its prompt positions' rows among those kept
         offset = 0
         for chunk in chunks:
             n = len(chunk.token_ids)
             segments.append(Segment(chunk.seq_id, offset, offset + n, chunk.observe, chunk.audit))
             token_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start, chunk.start + n))
+            if chunk.prompt_positions:
+                prompt_rows[chunk.seq_id] = range(len(keep), len(keep) + len(chunk.prompt_positions))
+                keep.extend(offset + p - chunk.start for p in chunk.prompt_positions)
             offset += n
             if chunk.needs_logits:
                 keep.append(offset - 1)
@@ -60,6 +67,12 @@ class ModelRunner:
             # Nothing to sample (only middle chunks of long prompts): skip the LM head entirely.
             self.model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False, packed_batch=batch)
             logits = torch.empty(0, self.model.config.vocab_size, device=self.device)
+        prompt_logits = {seq_id: logits[rows.start : rows.stop] for seq_id, rows in prompt_rows.items()}
+        if prompt_rows:
+            taken = torch.ones(len(keep), dtype=torch.bool)
+            for rows in prompt_rows.values():
+                taken[rows.start : rows.stop] = False
+            logits = logits[taken.to(logits.device)]
         for hook in self.after_forward:
             hook(chunks, logits)
-        return logits
+        return logits, prompt_logits

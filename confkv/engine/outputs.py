@@ -30,6 +30,8 @@ class RequestOutput:
     compression_metrics: dict | None = None
     tier_history: TierHistory | None = None  # on the final output of a request that asked (`inspect`)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of new_token_ids, when asked for
+    # Of prompt tokens 1.. (the first has none), on a request's first output when it asked for them.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Outputs:
@@ -40,6 +42,7 @@ class Outputs:
         self.requests: dict[str, Sequence] = {}
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
         self._last_token: dict[int, tuple[list[int], list[TokenLogprob]]] = {}  # sent with the final output
+        self._prompt_reported: set[int] = set()  # sequences whose prompt log-probabilities went out
         self._outputs: list[RequestOutput] = []
 
     def add(self, seq: Sequence) -> None:
@@ -72,6 +75,7 @@ class Outputs:
         self._outputs.append(self._output(seq, tokens, logprobs, final=True))
         del self.detokenizers[seq.seq_id]
         del self.requests[seq.request_id]
+        self._prompt_reported.discard(seq.seq_id)
 
     def preempted(self, seq: Sequence) -> None:
         """Nothing to do: its tokens and text so far stand, only its KV is recomputed."""
@@ -79,6 +83,10 @@ class Outputs:
     # ----- internals ---------------------------------------------------------------------
     def _output(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob], final: bool) -> RequestOutput:
         metrics = seq.compression_metrics if final else None
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs is not None and seq.seq_id not in self._prompt_reported:
+            self._prompt_reported.add(seq.seq_id)
+            prompt_logprobs = seq.prompt_logprobs
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=tokens,
@@ -92,4 +100,5 @@ class Outputs:
             compression_metrics=asdict(metrics) if metrics is not None else None,
             tier_history=seq.tier_history if final else None,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -4,7 +4,7 @@ floor under the length (min_tokens), per-request seeds.
 Besides the token it reports how sure the model was (the probability of the top token in the
 distribution the token was drawn from), which the compressor uses as a signal, and,
 for requests that ask, log-probabilities of the model's own distribution (before temperature and
-cuts, as OpenAI's API reports them).
+cuts, as OpenAI's API reports them): of the tokens it samples, and of the prompt's own tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the most likely tokens and their log-probabilities, best first
+    rank: int | None = None  # 1 for the likeliest token (reported for prompt tokens)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,26 @@ def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     best = torch.topk(raw, top) if top else None
     alternatives = list(zip(best.indices.tolist(), best.values.tolist(), strict=True)) if best is not None else []
     return TokenLogprob(token, float(raw[token]), alternatives)
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[TokenLogprob]:
+    """The log-probability each row of `logits` [n, vocab] gives its target, the next prompt token, with
+    its rank and the `top` likeliest tokens: the model's own distribution, as for sampled tokens."""
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    index = torch.tensor(targets, device=raw.device).unsqueeze(1)
+    values = raw.gather(1, index)
+    ranks = (raw > values).sum(dim=-1) + 1
+    best = torch.topk(raw, top, dim=-1) if top else None
+    values, ranks = values[:, 0].tolist(), ranks.tolist()
+    alternatives = (
+        [list(zip(i, v, strict=True)) for i, v in zip(best.indices.tolist(), best.values.tolist(), strict=True)]
+        if best is not None
+        else [[] for _ in targets]
+    )
+    return [
+        TokenLogprob(token, value, others, rank)
+        for token, value, others, rank in zip(targets, values, alternatives, ranks, strict=True)
+    ]
 
 
 def _draw(logprobs: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:

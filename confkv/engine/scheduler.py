@@ -114,7 +114,9 @@ class Scheduler:
                 i += 1
                 continue
             hit = None
-            if self.prefix_cache is not None:
+            # NOTE: a request that asks for its prompt's log-probabilities computes every prompt token (as vLLM's).
+            looks_up = self.prefix_cache is not None and seq.params.prompt_logprobs is None
+            if looks_up:
                 hit = self.prefix_cache.lookup(seq.token_ids, seq.prefix_fingerprint, seq.prefill_tail)
             if blocked is None:
                 if hit is not None and not self._make_room(need, keep=hit.entry_id):
@@ -139,7 +141,7 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
                 out.admitted.append(seq)
-                if self.prefix_cache is not None:
+                if looks_up:
                     self.prefix_cache.admitted(hit)
             self.running.append(seq)
             self._emit(seq, n, out)
@@ -214,7 +216,12 @@ class Scheduler:
     def _emit(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         start = seq.num_computed
         tokens = seq.token_ids[start : start + n]
-        out.chunks.append(ScheduledChunk(seq.seq_id, tokens, start, start + n == len(seq.token_ids)))
+        positions = range(0)
+        if seq.params.prompt_logprobs is not None:
+            positions = range(max(start, len(seq.prompt_logprobs)), min(start + n, seq.num_prompt_tokens - 1))
+        out.chunks.append(
+            ScheduledChunk(seq.seq_id, tokens, start, start + n == len(seq.token_ids), prompt_positions=positions)
+        )
         out.sequences.append(seq)
 
     def _reserve_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:

@@ -7,11 +7,15 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
+from typing import TYPE_CHECKING
 
 import torch
 
 from confkv.compress.history import TierHistory
 from confkv.compress.state import CompressionMetrics
+
+if TYPE_CHECKING:
+    from confkv.engine.sampler import TokenLogprob
 
 # Below this temperature sampling is greedy: dividing fp32 logits by a smaller one overflows to inf
 # (vLLM's _SAMPLING_EPS), and the distribution is a point mass anyway.
@@ -20,7 +24,7 @@ GREEDY_BELOW = 1e-5
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 128
+    max_tokens: int = 128  # 0: the prompt is only prefilled (for its prompt_logprobs)
     temperature: float = 1.0  # 0 (below GREEDY_BELOW) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k cut
@@ -28,6 +32,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # report the sampled token's log-probability and this many alternatives
+    # Report each prompt token's log-probability (all but the first) and this many alternatives, from the
+    # request's own prefill: such a request reuses no prefix-cache entry, so every prompt token is computed.
+    prompt_logprobs: int | None = None
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
     repetition_penalty: float = 1.0  # above 1, tokens of the prompt or output so far become less likely
     min_tokens: int = 0  # before this many tokens, nothing that would end the request is sampled or matched
@@ -75,6 +82,7 @@ class Sequence:
     error: str | None = None
     compression_metrics: CompressionMetrics | None = None  # its figures as it finished, for its final output
     tier_history: TierHistory | None = None  # what compression did, when the request asked (`inspect`)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.., when asked for
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     overtaken: int = 0  # sequences admitted ahead of it while it waited for memory
@@ -120,5 +128,8 @@ class ScheduledChunk:
     token_ids: list[int]
     start: int
     needs_logits: bool  # the chunk reaches the sequence's last known token: sample from it
+    # Positions whose logits score the next prompt token (the request asked for prompt_logprobs): each once,
+    # also when a preempted sequence computes its prompt again.
+    prompt_positions: range = range(0)
     observe: int = 0  # last queries whose attention the compressor observes (confkv.kv.attention.Segment)
     audit: bool = False  # measure the attention its sequence's dropped keys would get

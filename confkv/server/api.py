@@ -42,6 +42,7 @@ from confkv.server.request_body import CheckedRoute
 from confkv.server.schemas import ErrorResponse, GenerateRequest, GenerateResponse, HealthStatus
 from confkv.server.serving import APIError, GenerateService
 from confkv.server.settings import Settings
+from confkv.server.tokenizer_api import router as tokenizer_router
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.include_router(openai_router)
     app.include_router(inspect_router)
+    app.include_router(tokenizer_router)
     app.mount("/inspect/assets", inspect_assets, name="inspect-assets")
     app.include_router(router)
     _add_middleware(app, settings)

@@ -95,8 +95,8 @@ class Metrics:
         )
         self.request_failures = Counter(
             "engine_request_failures",
-            "Requests the engine failed alone, by the stage of their own work that raised (forward, sampling, "
-            "detokenization, compression); the engine and the other requests went on",
+            "Requests the engine failed alone, by the stage of their own work that raised (forward, prompt_logprobs, "
+            "sampling, detokenization, compression); the engine and the other requests went on",
             ["stage"],
             registry=r,
         )

@@ -16,8 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from confkv.server.sampling_options import SamplingOptions, StopTokenIds
-from confkv.server.schemas import CompressionMetricsModel
+from confkv.server.sampling_options import MAX_LOGPROBS, SamplingOptions, StopTokenIds
+from confkv.server.schemas import PROMPT_LOGPROBS, CompressionMetricsModel, PromptLogprobs
 
 MAX_FIELD_NAME = 64  # characters of an ignored field's name that are reported
 
@@ -119,8 +119,17 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="text or token ids; a list holds one prompt (send one request per prompt)"
     )
-    logprobs: int | None = Field(None, ge=0, le=20, description="log-probabilities of the sampled and top tokens")
-    echo: bool = Field(False, description="the prompt's text before the completion (without logprobs)")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="log-probabilities of the sampled and top tokens (with echo, of the prompt's tokens first)",
+    )
+    echo: bool = Field(
+        False,
+        description="the prompt's text before the completion; with logprobs, the prompt tokens' log-probabilities "
+        "(the first has none) before the completion's, as lm-eval's loglikelihood requests read them",
+    )
     suffix: str | None = Field(None, description="not supported")
     best_of: int | None = Field(None, ge=1, le=1, description="only 1")
 
@@ -137,13 +146,12 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("token ids must not be negative")
         return value
 
-    @model_validator(mode="after")
-    def _echo_without_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ValueError(
-                "echo with logprobs needs the prompt's log-probabilities, which this server does not compute"
-            )
-        return self
+    @property
+    def prompt_top(self) -> int | None:
+        """Alternatives per prompt token the engine must report: for echo with logprobs and for
+        prompt_logprobs, the more of the two; None where neither asks."""
+        asked = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(asked) if asked else None
 
     @field_validator("suffix")
     @classmethod
@@ -176,7 +184,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatCompletionMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="wins over max_tokens")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
     tools: list[dict] | None = Field(None, description="not supported")
     tool_choice: Literal["none"] | None = None
@@ -194,6 +202,14 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("top_logprobs needs logprobs: true")
         return self
 
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> ChatCompletionRequest:
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError(
+                "prompt_logprobs: not supported on a chat stream; ask without stream (or on /v1/completions)"
+            )
+        return self
+
 
 # ----- responses -------------------------------------------------------------------------
 class PromptTokensDetails(BaseModel):
@@ -208,12 +224,20 @@ class UsageInfo(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions format."""
+    """The legacy completions format; with echo, the prompt's tokens come first, the first of them
+    with null log-probabilities (nothing comes before it)."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+    def merge(self, other: CompletionLogprobs) -> None:
+        """Append `other`'s tokens (their offsets already in the whole text)."""
+        self.tokens += other.tokens
+        self.token_logprobs += other.token_logprobs
+        self.top_logprobs += other.top_logprobs
+        self.text_offset += other.text_offset
 
 
 class TopLogprob(BaseModel):
@@ -235,6 +259,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description=PROMPT_LOGPROBS)
 
 
 class _Response(BaseModel):
@@ -265,6 +290,7 @@ class ChatChoice(BaseModel):
 class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+    prompt_logprobs: PromptLogprobs | None = Field(None, description=PROMPT_LOGPROBS)
 
 
 class ChatDelta(BaseModel):

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from confkv.engine.outputs import RequestOutput
 from confkv.engine.sampler import TokenLogprob
 from confkv.engine.sequence import FinishReason
+from confkv.server.logprobs import finite
 from confkv.server.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -65,31 +66,74 @@ class OpenAIService:
     async def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
         prompt = {"prompt": req.prompt} if isinstance(req.prompt, str) else {"prompt_token_ids": req.prompt}
         try:
-            return await self._prepare(req, req.max_tokens, req.logprobs, "cmpl", **prompt)
+            return await self._prepare(req, req.max_tokens, req.logprobs, "cmpl", req.prompt_top, **prompt)
         except APIError as exc:
             exc.param = "prompt" if exc.param == "prompt_token_ids" else exc.param  # the field's name here
             raise
 
     async def completion(self, req: CompletionRequest, prepared: PreparedRequest, http: Request) -> CompletionResponse:
         outputs = await self.service.run(prepared, http)
-        choice = CompletionChoice(
-            text=self._echoed(req, prepared) + "".join(o.delta_text for o in outputs),
-            logprobs=self._completion_logprobs(outputs) if req.logprobs is not None else None,
-            finish_reason=outputs[-1].finish_reason,
-        )
+        choice = self._completion_choice(req, prepared, outputs, 0, echo=req.echo)
         return self._build(CompletionResponse, prepared, [choice], **self._final(prepared, outputs[-1]))
 
     def completion_stream(self, req: CompletionRequest, prepared: PreparedRequest) -> EventSourceResponse:
-        offset = 0  # of the next piece in the whole text, for the legacy logprobs format
+        # The echoed prompt opens the stream at once, unless its log-probabilities go with it: then it
+        # rides on the request's first output, which carries them.
+        scored = req.prompt_top is not None
+        opening = CompletionChoice(text=self._echoed(req, prepared)) if req.echo and not scored else None
+        offset = len(opening.text) if opening else 0  # of the next piece in the whole text (legacy logprobs)
 
         def choice(out: RequestOutput) -> CompletionChoice:
             nonlocal offset
-            logprobs = self._completion_logprobs([out], offset) if req.logprobs is not None else None
-            offset += len(out.delta_text)
-            return CompletionChoice(text=out.delta_text, logprobs=logprobs, finish_reason=out.finish_reason)
+            piece = self._completion_choice(req, prepared, [out], offset, echo=req.echo and scored)
+            offset += len(piece.text)
+            return piece
 
-        opening = CompletionChoice(text=self._echoed(req, prepared)) if req.echo else None
         return self.service.event_stream(prepared, self._stream(CompletionChunk, req, prepared, choice, opening))
+
+    def _completion_choice(
+        self, req: CompletionRequest, prepared: PreparedRequest, outputs: list[RequestOutput], offset: int, echo: bool
+    ) -> CompletionChoice:
+        """The choice for `outputs` (all of a request's, or a streamed one) whose text starts at `offset` of the
+        whole; with `echo`, the prompt's text first, and its tokens' log-probabilities where they came (on the
+        request's first output)."""
+        prompt = outputs[0].prompt_logprobs
+        echo = echo and (prompt is not None or req.prompt_top is None)
+        text = self._echoed(req, prepared) if echo else ""
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = CompletionLogprobs()
+            if echo and prompt is not None:
+                logprobs = self._prompt_completion_logprobs(prepared, prompt, req.logprobs)
+            logprobs.merge(self._completion_logprobs(outputs, offset + len(text)))
+        return CompletionChoice(
+            text=text + "".join(o.delta_text for o in outputs),
+            logprobs=logprobs,
+            finish_reason=outputs[-1].finish_reason,
+            prompt_logprobs=(
+                self.service.prompt_logprobs_of(outputs[0], req.prompt_logprobs)
+                if req.prompt_logprobs is not None
+                else None
+            ),
+        )
+
+    def _prompt_completion_logprobs(
+        self, prepared: PreparedRequest, reports: list[TokenLogprob], top: int
+    ) -> CompletionLogprobs:
+        """The prompt's tokens in the legacy format, the first with null log-probabilities."""
+        result = CompletionLogprobs()
+        offset = 0
+        first = prepared.prompt_token_ids[0]
+        for token_id, report in [(first, None), *((r.token_id, r) for r in reports)]:
+            text = self._token_text(token_id)
+            result.tokens.append(text)
+            result.token_logprobs.append(None if report is None else finite(report.logprob))
+            result.top_logprobs.append(
+                None if report is None else {self._token_text(t): finite(v) for t, v in report.top[:top]}
+            )
+            result.text_offset.append(offset)
+            offset += len(text)
+        return result
 
     def _echoed(self, req: CompletionRequest, prepared: PreparedRequest) -> str:
         """The prompt's text where `echo` asks for it (token ids decoded), else nothing."""
@@ -105,7 +149,8 @@ class OpenAIService:
     async def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
         messages = [ChatMessage(role=_ROLES.get(m.role, m.role), content=m.text) for m in req.messages]
         top = (req.top_logprobs or 0) if req.logprobs else None
-        return await self._prepare(req, req.max_completion_tokens or req.max_tokens, top, "chatcmpl", messages=messages)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        return await self._prepare(req, max_tokens, top, "chatcmpl", req.prompt_logprobs, messages=messages)
 
     async def chat(
         self, req: ChatCompletionRequest, prepared: PreparedRequest, http: Request
@@ -116,7 +161,10 @@ class OpenAIService:
             logprobs=self._chat_logprobs(outputs) if req.logprobs else None,
             finish_reason=outputs[-1].finish_reason,
         )
-        return self._build(ChatCompletionResponse, prepared, [choice], **self._final(prepared, outputs[-1]))
+        prompt = self.service.prompt_logprobs_of(outputs[0], req.prompt_logprobs)
+        return self._build(
+            ChatCompletionResponse, prepared, [choice], prompt_logprobs=prompt, **self._final(prepared, outputs[-1])
+        )
 
     def chat_stream(self, req: ChatCompletionRequest, prepared: PreparedRequest) -> EventSourceResponse:
         def choice(out: RequestOutput) -> ChatChunkChoice:
@@ -131,7 +179,13 @@ class OpenAIService:
 
     # ----- internals ---------------------------------------------------------------------
     async def _prepare(
-        self, req: _SamplingRequest, max_tokens: int | None, logprobs: int | None, prefix: str, **prompt
+        self,
+        req: _SamplingRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prefix: str,
+        prompt_logprobs: int | None,
+        **prompt,
     ) -> PreparedRequest:
         if req.model != self.model_name:
             self.service.count_refusal(404)
@@ -153,7 +207,7 @@ class OpenAIService:
             log.warning("request fields ignored (not known to this server): %s", ", ".join(ignored))
             self.service.metrics.count_ignored_fields(ignored)
         try:
-            generate = self._generate_request(req, max_tokens, prompt)
+            generate = self._generate_request(req, max_tokens, prompt_logprobs, prompt)
         except ValidationError as exc:  # fields valid alone, not together (min_tokens > max_tokens): the 400 as any
             raise RequestValidationError(exc.errors()) from exc
         prepared = await self.service.prepare(generate, logprobs=logprobs, id_prefix=prefix)
@@ -161,10 +215,13 @@ class OpenAIService:
         return prepared
 
     @staticmethod
-    def _generate_request(req: _SamplingRequest, max_tokens: int | None, prompt: dict) -> GenerateRequest:
+    def _generate_request(
+        req: _SamplingRequest, max_tokens: int | None, prompt_logprobs: int | None, prompt: dict
+    ) -> GenerateRequest:
         return GenerateRequest(
             **prompt,
             max_tokens=max_tokens,
+            prompt_logprobs=prompt_logprobs,
             temperature=req.temperature,
             top_p=req.top_p,
             seed=req.seed,
@@ -205,7 +262,7 @@ class OpenAIService:
         if opening is not None:
             yield _dump(self._build(cls, prepared, [opening]))
         async for out in self.service.outputs(prepared):
-            if not out.delta_text and not out.finished:
+            if not out.delta_text and not out.finished and out.prompt_logprobs is None:
                 continue  # text held back (possible stop string or partial character)
             if out.error is not None:
                 yield _stream_error(out)
@@ -243,8 +300,8 @@ class OpenAIService:
         for report in (r for out in outputs for r in out.logprobs):
             text = self._token_text(report.token_id)
             result.tokens.append(text)
-            result.token_logprobs.append(report.logprob)
-            result.top_logprobs.append({self._token_text(t): v for t, v in report.top})
+            result.token_logprobs.append(finite(report.logprob))
+            result.top_logprobs.append({self._token_text(t): finite(v) for t, v in report.top})
             result.text_offset.append(offset)
             offset += len(text)
         return result

@@ -17,13 +17,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from confkv.compress.config import CompressionOptions
 
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's bound, vLLM's default max_logprobs)
 MAX_TIMEOUT_S = 86400.0
 
 
 class SamplingOptions(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False)
 
-    max_tokens: int | None = Field(None, ge=1, description="most tokens to generate; default from the server")
+    max_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="most tokens to generate; default from the server. 0: the prompt is only prefilled (for "
+        "prompt_logprobs or echo, or to warm the prefix cache)",
+    )
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 means greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="sample from the smallest set of tokens with this mass")
     top_k: int = Field(0, ge=-1, description="vLLM's: 0 or -1 mean no top-k cut")
@@ -41,6 +47,14 @@ class SamplingOptions(BaseModel):
     skip_special_tokens: bool = Field(True, description="leave special tokens out of the text")
     timeout: float | None = Field(
         None, gt=0.0, le=MAX_TIMEOUT_S, description="seconds; past it the request ends with finish_reason timeout"
+    )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="vLLM's: each prompt token's log-probability (the first has none) and this many of the "
+        "likeliest tokens'; computed in the request's own prefill, before any eviction, over its KV at its storage "
+        "precision; such a request reuses no prefix-cache entry",
     )
     compression: CompressionOptions | None = None
     compression_stats: bool = Field(False, description="return compression_metrics with the response")

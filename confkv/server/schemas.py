@@ -72,6 +72,23 @@ class CompressionMetricsModel(BaseModel):
     compression_time_ms: float
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's shape: a token's log-probability at a prompt position, its rank and its text."""
+
+    logprob: float = Field(description="-9999.0 where the model gives the token no chance (JSON has no -inf)")
+    rank: int = Field(description="1 for the likeliest token")
+    decoded_token: str
+
+
+# Per prompt token: None for the first, then the prompt token's and the likeliest tokens' by token id.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+PROMPT_LOGPROBS = (
+    "with prompt_logprobs: each prompt token's log-probability (none for the first), its rank and the likeliest "
+    "tokens', by token id; from this request's own prefill: before any eviction, over its KV at its storage precision "
+    "(the model's own where kv_cache_dtype is the model's dtype)"
+)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -84,6 +101,7 @@ class GenerateResponse(BaseModel):
     finish_reason: str | None
     usage: Usage
     compression_metrics: CompressionMetricsModel | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description=PROMPT_LOGPROBS)
 
 
 class StreamChunk(BaseModel):
@@ -95,6 +113,7 @@ class StreamChunk(BaseModel):
     usage: Usage | None = None
     compression_metrics: CompressionMetricsModel | None = None
     error: str | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description=f"on the first chunk: {PROMPT_LOGPROBS}")
 
 
 class HealthStatus(BaseModel):

@@ -18,8 +18,16 @@ from confkv.engine.async_engine import AsyncEngine, EngineDeadError
 from confkv.engine.inspection import InspectionRecord, InspectionStore
 from confkv.engine.outputs import RequestOutput
 from confkv.engine.sequence import FinishReason, SamplingParams
+from confkv.server import logprobs
 from confkv.server.metrics import Metrics
-from confkv.server.schemas import CompressionMetricsModel, GenerateRequest, GenerateResponse, StreamChunk, Usage
+from confkv.server.schemas import (
+    CompressionMetricsModel,
+    GenerateRequest,
+    GenerateResponse,
+    PromptLogprobs,
+    StreamChunk,
+    Usage,
+)
 from confkv.server.settings import Settings
 
 
@@ -121,7 +129,9 @@ class GenerateService:
         if pending_tokens and pending_tokens + len(ids) > self.settings.max_queue_tokens:
             message = f"{pending_tokens} prompt tokens are already queued or running; retry later"
             raise APIError(503, "overloaded", message, {"Retry-After": "1"})
-        max_tokens = req.max_tokens or min(self.settings.default_max_tokens, max(1, self.max_model_len - len(ids)))
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = min(self.settings.default_max_tokens, max(1, self.max_model_len - len(ids)))
         if len(ids) + max_tokens > self.max_model_len:
             raise APIError(
                 413,
@@ -159,6 +169,7 @@ class GenerateService:
             stop=tuple(req.stop),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=req.prompt_logprobs,
             min_p=req.min_p,
             repetition_penalty=req.repetition_penalty,
             min_tokens=req.min_tokens,
@@ -186,7 +197,18 @@ class GenerateService:
             finish_reason=last.finish_reason,
             usage=_usage(last),
             compression_metrics=prepared.metrics_of(last),
+            prompt_logprobs=self.prompt_logprobs_of(outputs[0], prepared.params.prompt_logprobs),
         )
+
+    def prompt_logprobs_of(self, out: RequestOutput, top: int | None) -> PromptLogprobs | None:
+        """The prompt log-probabilities `out` carries (a request's first output, if it asked), as vLLM's,
+        with `top` alternatives each."""
+        if out.prompt_logprobs is None or top is None:
+            return None
+        return logprobs.prompt_logprobs(out.prompt_logprobs, top, self.decode_token)
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     async def run(self, prepared: PreparedRequest, http_request: Request) -> list[RequestOutput]:
         """Every output of the request, to the end; abort if the client goes away first."""
@@ -205,6 +227,7 @@ class GenerateService:
     async def stream(self, prepared: PreparedRequest) -> AsyncIterator[str]:
         """Server-sent events, one JSON chunk per token piece; the last has finish reason and usage."""
         async for out in self.outputs(prepared):
+            prompt = self.prompt_logprobs_of(out, prepared.params.prompt_logprobs)
             if out.finished:
                 chunk = StreamChunk(
                     id=prepared.request_id,
@@ -213,9 +236,10 @@ class GenerateService:
                     usage=_usage(out),
                     compression_metrics=prepared.metrics_of(out),
                     error=out.error,
+                    prompt_logprobs=prompt,
                 )
-            elif out.delta_text:
-                chunk = StreamChunk(id=prepared.request_id, text=out.delta_text)
+            elif out.delta_text or prompt is not None:
+                chunk = StreamChunk(id=prepared.request_id, text=out.delta_text, prompt_logprobs=prompt)
             else:
                 continue  # text held back (possible stop string or partial character)
             yield chunk.model_dump_json(exclude_none=True)
