@@ -157,7 +157,7 @@ class ServerUser(HttpUser):
     def invalid_request_is_refused(self) -> None:
         field, payload = self.rng.choice(
             [
-                ("max_tokens", {"prompt": "Hi", "max_tokens": 0}),
+                ("max_tokens", {"prompt": "Hi", "max_tokens": -1}),
                 ("compression.compression_rate", {"prompt": "Hi", "compression": {"compression_rate": 1.5}}),
                 ("temperature", {"prompt": "Hi", "temperature": -1}),
             ]

