@@ -40,13 +40,17 @@ SETUPS = {"compression off": ["--compression-enabled=false"], "as shipped (int8,
 METRICS = {"confkv_choices": ("acc",), "confkv_text": ("word_perplexity", "byte_perplexity", "bits_per_byte")}
 
 
-def run_lm_eval(model: str, model_args: str, tasks: Path, out: Path, timeout: float = 1800) -> dict:
-    """`lm_eval` on the local tasks (`tasks`, from write_tasks) with `model` (`local-completions`, `hf`):
+def run_lm_eval(
+    model: str, model_args: str, tasks: Path, out: Path, timeout: float = 1800, limit: int | None = None
+) -> dict:
+    """`lm_eval` on the local tasks (`tasks`, from write_tasks) with `model` (`local-completions`, `hf`), the
+    first `limit` documents of each task if given:
     {"metrics": {task: {metric: value}}, "loglikelihoods": {task: [each request's, in lm-eval's order]}}."""
     run = subprocess.run(
         [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args, "--tasks", ",".join(TASKS)]
         + ["--include_path", str(tasks), "--output_path", str(out), "--log_samples", "--batch_size", "1"]
-        + (["--device", "cpu"] if model == "hf" else []),
+        + (["--device", "cpu"] if model == "hf" else [])
+        + (["--limit", str(limit)] if limit is not None else []),
         cwd=ROOT,
         env={**os.environ, **OFFLINE},
         capture_output=True,
