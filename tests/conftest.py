@@ -60,9 +60,9 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
 # make test-fast). A module missing here fails collection: a new file chooses its tier.
 TIERS = {
     "unit": (
-        "test_allocator", "test_detokenizer", "test_kv_store", "test_loader", "test_lru", "test_paged_attention",
-        "test_readme_figures", "test_sampler", "test_scheduler", "test_schemas", "test_settings", "test_tiers_layers",
-        "test_triton_kernels",
+        "test_allocator", "test_budget", "test_compression_worker", "test_detokenizer", "test_kv_store", "test_loader",
+        "test_lru", "test_paged_attention", "test_readme_figures", "test_sampler", "test_scheduler", "test_schemas",
+        "test_settings", "test_step_plan", "test_tiers_layers", "test_triton_kernels",
     ),
     "engine": (
         "test_async_compression", "test_calibration", "test_compression", "test_decode_step_benchmark", "test_engine",
