@@ -39,6 +39,7 @@ class ModelRunner:
         seq_id the logits [k, vocab] of the chunks' `prompt_positions` (their prompt log-probabilities)."""
         segments, token_ids, positions, keep = [], [], [], []
         prompt_rows: dict[int, range] = {}  # seq_id -> its prompt positions' rows among those kept
+        sample_rows = []  # the rows kept for sampling, where prompt rows lie among them
         offset = 0
         for chunk in chunks:
             n = len(chunk.token_ids)
@@ -50,6 +51,7 @@ class ModelRunner:
                 keep.extend(offset + p - chunk.start for p in chunk.prompt_positions)
             offset += n
             if chunk.needs_logits:
+                sample_rows.append(len(keep))
                 keep.append(offset - 1)
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
@@ -69,10 +71,7 @@ class ModelRunner:
             logits = torch.empty(0, self.model.config.vocab_size, device=self.device)
         prompt_logits = {seq_id: logits[rows.start : rows.stop] for seq_id, rows in prompt_rows.items()}
         if prompt_rows:
-            taken = torch.ones(len(keep), dtype=torch.bool)
-            for rows in prompt_rows.values():
-                taken[rows.start : rows.stop] = False
-            logits = logits[taken.to(logits.device)]
+            logits = logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
         for hook in self.after_forward:
             hook(chunks, logits)
         return logits, prompt_logits

@@ -103,9 +103,13 @@ class OpenAIService:
         logprobs = None
         if req.logprobs is not None:
             logprobs = CompletionLogprobs()
-            if echo and prompt is not None:
-                logprobs = self._prompt_completion_logprobs(prepared, prompt, req.logprobs)
-            logprobs.merge(self._completion_logprobs(outputs, offset + len(text)))
+            if echo and prompt is not None:  # the first prompt token has none: nothing comes before it
+                first = prepared.prompt_token_ids[0]
+                logprobs = self._completion_logprobs(
+                    [(first, None), *((r.token_id, r) for r in prompt)], 0, req.logprobs
+                )
+            generated = [(r.token_id, r) for out in outputs for r in out.logprobs]
+            logprobs.merge(self._completion_logprobs(generated, offset + len(text)))
         return CompletionChoice(
             text=text + "".join(o.delta_text for o in outputs),
             logprobs=logprobs,
@@ -116,24 +120,6 @@ class OpenAIService:
                 else None
             ),
         )
-
-    def _prompt_completion_logprobs(
-        self, prepared: PreparedRequest, reports: list[TokenLogprob], top: int
-    ) -> CompletionLogprobs:
-        """The prompt's tokens in the legacy format, the first with null log-probabilities."""
-        result = CompletionLogprobs()
-        offset = 0
-        first = prepared.prompt_token_ids[0]
-        for token_id, report in [(first, None), *((r.token_id, r) for r in reports)]:
-            text = self._token_text(token_id)
-            result.tokens.append(text)
-            result.token_logprobs.append(None if report is None else finite(report.logprob))
-            result.top_logprobs.append(
-                None if report is None else {self._token_text(t): finite(v) for t, v in report.top[:top]}
-            )
-            result.text_offset.append(offset)
-            offset += len(text)
-        return result
 
     def _echoed(self, req: CompletionRequest, prepared: PreparedRequest) -> str:
         """The prompt's text where `echo` asks for it (token ids decoded), else nothing."""
@@ -278,7 +264,7 @@ class OpenAIService:
         yield "[DONE]"
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return self.service.decode_token(token_id)
 
     def _top(self, report: TokenLogprob) -> list[TopLogprob]:
         return [self._logprob_entry(TopLogprob, token, value) for token, value in report.top]
@@ -295,13 +281,19 @@ class OpenAIService:
         ]
         return ChatLogprobs(content=content)
 
-    def _completion_logprobs(self, outputs: list[RequestOutput], offset: int = 0) -> CompletionLogprobs:
+    def _completion_logprobs(
+        self, tokens: list[tuple[int, TokenLogprob | None]], offset: int, top: int | None = None
+    ) -> CompletionLogprobs:
+        """Tokens in the legacy format from `offset` of the whole text: each with its report (None: null
+        log-probabilities), its alternatives cut at `top` if given."""
         result = CompletionLogprobs()
-        for report in (r for out in outputs for r in out.logprobs):
-            text = self._token_text(report.token_id)
+        for token_id, report in tokens:
+            text = self._token_text(token_id)
             result.tokens.append(text)
-            result.token_logprobs.append(finite(report.logprob))
-            result.top_logprobs.append({self._token_text(t): finite(v) for t, v in report.top})
+            result.token_logprobs.append(None if report is None else finite(report.logprob))
+            result.top_logprobs.append(
+                None if report is None else {self._token_text(t): finite(v) for t, v in report.top[:top]}
+            )
             result.text_offset.append(offset)
             offset += len(text)
         return result
